@@ -1,0 +1,20 @@
+# attn_cc_library(NAME name SRCS ... [HDRS ...] [DEPS ...])
+#   A static library whose includes are rooted at the repository root ("server/page_pool.h").
+# attn_cc_test(NAME name SRCS ... [DEPS ...] [LABELS ...])
+#   A GoogleTest binary registered with CTest, one CTest entry per test case.
+function(attn_cc_library)
+  cmake_parse_arguments(ARG "" "NAME" "SRCS;HDRS;DEPS" ${ARGN})
+  add_library(${ARG_NAME} STATIC ${ARG_SRCS} ${ARG_HDRS})
+  target_include_directories(${ARG_NAME} PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_link_libraries(${ARG_NAME} PUBLIC ${ARG_DEPS})
+  target_compile_options(${ARG_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
+endfunction()
+
+function(attn_cc_test)
+  cmake_parse_arguments(ARG "" "NAME" "SRCS;DEPS;LABELS" ${ARGN})
+  add_executable(${ARG_NAME} ${ARG_SRCS})
+  target_include_directories(${ARG_NAME} PRIVATE ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_link_libraries(${ARG_NAME} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main)
+  target_compile_options(${ARG_NAME} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
+  gtest_discover_tests(${ARG_NAME} DISCOVERY_MODE PRE_TEST PROPERTIES LABELS "${ARG_LABELS}")
+endfunction()
