@@ -16,7 +16,7 @@ if(ATTN_ENABLE_CUDA)
       set(CMAKE_CUDA_ARCHITECTURES "80-real;90a-real;100-real")
     endif()
     enable_language(CUDA)
-    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD 17)  # CMake 3.25 knows no CUDA20 flag for nvcc
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     set(CMAKE_CUDA_RUNTIME_LIBRARY Static)
     find_package(CUDAToolkit REQUIRED)

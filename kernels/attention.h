@@ -11,6 +11,12 @@
 
 #include "kernels/common/bf16.h"
 
+#if defined(__CUDACC__)
+#define ATTN_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define ATTN_HOST_DEVICE inline
+#endif
+
 namespace attn {
 
 // lse written for a row that sees no key: finite, and small enough that exp2(lse - x) is 0 for
@@ -50,10 +56,10 @@ struct GqaCache {
   int num_kv_heads = 0;
   int head_dim = 0;
 
-  int64_t TokenStride() const { return int64_t{num_kv_heads} * head_dim; }
-  int64_t PageStride() const { return 2 * page_size * TokenStride(); }  // K block then V block
-  int64_t LayerStride() const { return num_pages * PageStride(); }
-  int64_t NumElements() const { return num_layers * LayerStride(); }
+  ATTN_HOST_DEVICE int64_t TokenStride() const { return int64_t{num_kv_heads} * head_dim; }
+  ATTN_HOST_DEVICE int64_t PageStride() const { return 2 * page_size * TokenStride(); }  // K block then V block
+  ATTN_HOST_DEVICE int64_t LayerStride() const { return num_pages * PageStride(); }
+  ATTN_HOST_DEVICE int64_t NumElements() const { return num_layers * LayerStride(); }
 };
 
 // MLA cache of one pool: per token a 576-wide row, the 512-wide latent ckv followed by the
@@ -65,9 +71,9 @@ struct MlaCache {
   int num_pages = 0;
   int page_size = 0;
 
-  int64_t PageStride() const { return int64_t{page_size} * kMlaTokenDim; }
-  int64_t LayerStride() const { return num_pages * PageStride(); }
-  int64_t NumElements() const { return num_layers * LayerStride(); }
+  ATTN_HOST_DEVICE int64_t PageStride() const { return int64_t{page_size} * kMlaTokenDim; }
+  ATTN_HOST_DEVICE int64_t LayerStride() const { return num_pages * PageStride(); }
+  ATTN_HOST_DEVICE int64_t NumElements() const { return num_layers * LayerStride(); }
 };
 
 // One GQA prefill or decode launch: optional append of new K/V, then attention.
@@ -108,12 +114,6 @@ struct SeqExtent {
   int kv_len;
   int layer;
 };
-
-#if defined(__CUDACC__)
-#define ATTN_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define ATTN_HOST_DEVICE inline
-#endif
 
 ATTN_HOST_DEVICE SeqExtent GetSeqExtent(const PagedBatch& b, int page_size, int seq) {
   SeqExtent e;

@@ -1,0 +1,95 @@
+"""Anchors for kernel_bench: the same shapes through torch's scaled_dot_product_attention (cuDNN
+and flash backends, contiguous K/V), plus the ceilings of the device (bf16 GEMM through cuBLAS,
+device-to-device copy), timed like kernel_bench: L2 flushed before every run, CUDA events, median.
+
+    python3 bench/anchors.py --json anchors.json
+"""
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+# name -> (qo_heads, kv_heads, head_dim, batch, q_len, kv_len); kv_len includes the new tokens.
+GQA_SHAPES = {
+    "gqa_decode_32/8_b64x4096": (32, 8, 128, 64, 1, 4096),
+    "gqa_decode_32/8_b1x16384": (32, 8, 128, 1, 1, 16384),
+    "gqa_decode_40/10_b128x2048_p16": (40, 10, 128, 128, 1, 2048),
+    "gqa_prefill_32/8_8192_causal_p16": (32, 8, 128, 1, 8192, 8192),
+    "gqa_prefill_32/8_4096_causal_p16": (32, 8, 128, 1, 4096, 4096),
+    "gqa_prefill_40/10_8x512_on_1024_p16": (40, 10, 128, 8, 512, 1536),
+    "gqa_prefill_20/4_1117_on_71488_p64": (20, 4, 128, 1, 1117, 71488 + 1117),
+}
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+
+
+def time_us(fn, runs=30):
+    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8,
+                        device="cuda")
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(runs):
+        flush.zero_()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return statistics.median(times)
+
+
+def gqa_anchor(backend, hq, hkv, d, batch, q_len, kv_len):
+    q = torch.randn(batch, hq, q_len, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(batch, hkv, kv_len, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    mask = causal_lower_right(q_len, kv_len) if q_len > 1 else None
+
+    def run():
+        with sdpa_kernel([backend]):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return time_us(run)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    gemm_tflops = 2 * n**3 / (time_us(lambda: a @ b, runs=10) * 1e-6) / 1e12
+    del a, b
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    copy_tbps = 2 * src.numel() / (time_us(lambda: dst.copy_(src), runs=10) * 1e-6) / 1e12
+    del src, dst
+    print(f"cuBLAS bf16 GEMM {gemm_tflops:.0f} TFLOP/s, copy {copy_tbps:.2f} TB/s")
+
+    results = {"gemm_tflops": gemm_tflops, "copy_tbps": copy_tbps, "shapes": {}}
+    for name, shape in GQA_SHAPES.items():
+        results["shapes"][name] = {}
+        for label, backend in BACKENDS.items():
+            try:
+                us = gqa_anchor(backend, *shape)
+            except RuntimeError as e:  # the backend does not take this shape
+                print(f"{name} {label}: unsupported ({str(e).splitlines()[0][:80]})")
+                continue
+            results["shapes"][name][label] = us
+            print(f"{name:40s} {label:6s} {us:10.1f} us")
+        torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+// kernel_bench: times the CUDA attention kernels on the named shapes of the published workloads,
+// with the L2 flushed before every run, and reports median time, TFLOP/s, TB/s and the fraction
+// of the device-to-device copy bandwidth measured in the same run. bench/anchors.py measures the
+// same shapes with torch's SDPA backends (and the cuBLAS GEMM ceiling); bench/report.py joins the
+// two JSON files into bench/RESULTS.md's table.
+//
+//   kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/plan.h"
+#include "kernels/testing/device_batch.h"
+#include "kernels/testing/paged_batch_builder.h"
+
+namespace attn::bench {
+namespace {
+
+using testing::BatchOptions;
+using testing::DeviceBatch;
+using testing::SeqSpec;
+
+#define CHECK_CUDA(expr)                                                                   \
+  do {                                                                                     \
+    const cudaError_t _err = (expr);                                                       \
+    if (_err != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
+                   cudaGetErrorString(_err));                                              \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+struct Shape {
+  std::string name;
+  bool mla = false;
+  int qo_heads = 0, kv_heads = 1, head_dim = 128, page_size = 16;
+  bool decode = false;
+  std::vector<SeqSpec> seqs;  // kv_len includes the query tokens (the cache after the append)
+};
+
+struct Result {
+  Shape shape;
+  int variant = -1;  // GQA prefill tile shape (-1: default)
+  double median_us = 0, tflops = 0, tbps = 0;
+  size_t items = 0;
+  int chunk_len = 0;
+};
+
+std::vector<SeqSpec> Uniform(int batch, int q_len, int kv_len) {
+  return std::vector<SeqSpec>(batch, SeqSpec{q_len, kv_len, 0});
+}
+
+std::vector<Shape> Shapes() {
+  std::vector<Shape> s;
+  for (int page : {1, 16, 64}) {
+    s.push_back({"gqa_decode_32/8_b64x4096_p" + std::to_string(page), false, 32, 8, 128, page,
+                 true, Uniform(64, 1, 4096)});
+  }
+  for (int page : {1, 16, 64}) {
+    s.push_back({"gqa_decode_32/8_b1x16384_p" + std::to_string(page), false, 32, 8, 128, page,
+                 true, Uniform(1, 1, 16384)});
+  }
+  s.push_back({"gqa_decode_40/10_b128x2048_p16", false, 40, 10, 128, 16, true,
+               Uniform(128, 1, 2048)});
+  s.push_back({"gqa_prefill_32/8_8192_causal_p16", false, 32, 8, 128, 16, false,
+               Uniform(1, 8192, 8192)});
+  s.push_back({"gqa_prefill_32/8_4096_causal_p16", false, 32, 8, 128, 16, false,
+               Uniform(1, 4096, 4096)});
+  s.push_back({"gqa_prefill_40/10_8x512_on_1024_p16", false, 40, 10, 128, 16, false,
+               Uniform(8, 512, 1536)});
+  s.push_back({"gqa_prefill_20/4_1117_on_71488_p64", false, 20, 4, 128, 64, false,
+               Uniform(1, 1117, 71488 + 1117)});
+  s.push_back({"mla_decode_16h_b64x4096_p64", true, 16, 1, 0, 64, true, Uniform(64, 1, 4096)});
+  s.push_back({"mla_decode_128h_b128x4096_p64", true, 128, 1, 0, 64, true,
+               Uniform(128, 1, 4096)});
+  // MLA prefill: 6053 new tokens over 11 sequences (the published shape's token count).
+  std::vector<SeqSpec> mla_prefill;
+  std::mt19937 rng(11);
+  int total = 0;
+  for (int i = 0; i < 11; ++i) {
+    const int q = i == 10 ? 6053 - total : 300 + static_cast<int>(rng() % 250);  // sums to 6053
+    total += q;
+    mla_prefill.push_back({q, q + static_cast<int>(rng() % 4000), 0});
+  }
+  s.push_back({"mla_prefill_16h_6053_11seqs_p64", true, 16, 1, 0, 64, false, mla_prefill});
+  return s;
+}
+
+// FLOPs (QK^T and PV, causal) and the fewest bytes a launch must move (KV read once, Q read,
+// output written).
+void Count(const Shape& s, double* flops, double* bytes) {
+  const int q_dim = s.mla ? kMlaTokenDim : s.head_dim;
+  const int v_dim = s.mla ? kMlaCkvDim : s.head_dim;
+  const double kv_row_bytes = s.mla ? kMlaTokenDim * 2.0 : 2.0 * s.kv_heads * s.head_dim * 2;
+  *flops = 0;
+  *bytes = 0;
+  for (const SeqSpec& q : s.seqs) {
+    for (int i = 0; i < q.q_len; ++i) {
+      *flops += 2.0 * s.qo_heads * (q_dim + v_dim) * VisibleKeyCount(q.q_len, q.kv_len, i, true);
+    }
+    *bytes += q.kv_len * kv_row_bytes + q.q_len * s.qo_heads * (q_dim + v_dim) * 2.0;
+  }
+}
+
+// Median of `runs` timings of fn, each after the L2 was overwritten.
+double TimeMedianUs(const std::function<void()>& fn, int runs, void* flush, size_t flush_bytes) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) fn();  // warm-up: module load, first-touch
+  std::vector<float> ms;
+  for (int i = 0; i < runs; ++i) {
+    CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
+    CHECK_CUDA(cudaEventRecord(start));
+    fn();
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2] * 1e3;
+}
+
+// Device-to-device copy bandwidth, counting bytes read plus bytes written.
+double CopyTbps(void* flush, size_t flush_bytes) {
+  const size_t bytes = size_t{2} << 30;
+  void *a, *b;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  const double us = TimeMedianUs(
+      [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 10, flush,
+      flush_bytes);
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  return 2.0 * bytes / (us * 1e-6) / 1e12;
+}
+
+Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overrides, int runs,
+               void* flush, size_t flush_bytes) {
+  std::mt19937_64 rng(42);
+  BatchOptions o;
+  o.decode = s.decode;
+  o.with_lse = true;
+  o.extra_pages = 0;
+  std::unique_ptr<DeviceBatch> d;
+  if (s.mla) {
+    o.sm_scale = 0.1352337747812271f;
+    testing::MlaHostBatch h = testing::MakeMlaBatch({1, s.page_size, s.qo_heads}, s.seqs, o, rng);
+    CHECK_CUDA(DeviceBatch::Create(h, &d, overrides));
+  } else {
+    testing::GqaHostBatch h = testing::MakeGqaBatch(
+        {1, s.page_size, s.qo_heads, s.kv_heads, s.head_dim}, s.seqs, o, rng);
+    CHECK_CUDA(DeviceBatch::Create(h, &d, variant, overrides));
+  }
+  Result r;
+  r.shape = s;
+  r.variant = variant;
+  r.items = d->plan().items.size();
+  r.chunk_len = d->plan().chunk_len;
+  r.median_us = TimeMedianUs([&] { CHECK_CUDA(d->RunAttention(nullptr)); }, runs, flush,
+                             flush_bytes);
+  double flops, bytes;
+  Count(s, &flops, &bytes);
+  r.tflops = flops / (r.median_us * 1e-6) / 1e12;
+  r.tbps = bytes / (r.median_us * 1e-6) / 1e12;
+  return r;
+}
+
+int Main(int argc, char** argv) {
+  std::string json, filter;
+  int runs = 30;
+  std::vector<int> variants{-1};
+  testing::PlanOverrides overrides;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc) json = argv[++i];
+    else if (a == "--filter" && i + 1 < argc) filter = argv[++i];
+    else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
+    else if (a == "--min_chunk" && i + 1 < argc) overrides.min_chunk_len = std::atoi(argv[++i]);
+    else if (a == "--waves" && i + 1 < argc) overrides.target_waves = std::atof(argv[++i]);
+    else if (a == "--prefill_variants" && i + 1 < argc) {
+      variants.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string v; std::getline(list, v, ',');) variants.push_back(std::stoi(v));
+    } else {
+      std::fprintf(stderr,
+                   "usage: kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N] "
+                   "[--prefill_variants 0,1] [--min_chunk KEYS] [--waves W]\n");
+      return 2;
+    }
+  }
+  if (!testing::CudaDeviceAvailable()) {
+    std::fprintf(stderr, "kernel_bench: no CUDA device\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const size_t flush_bytes = size_t{2} * prop.l2CacheSize;
+  void* flush;
+  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+
+  const double copy_tbps = CopyTbps(flush, flush_bytes);
+  std::printf("device %s, %d SMs, L2 %d MiB; copy ceiling %.2f TB/s (read + write)\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_tbps);
+  std::printf("%-40s %10s %8s %7s %7s %7s %6s\n", "shape", "median_us", "TFLOP/s", "TB/s",
+              "of_copy", "items", "chunk");
+  std::vector<Result> results;
+  for (const Shape& s : Shapes()) {
+    if (!filter.empty() && s.name.find(filter) == std::string::npos) continue;
+    const bool has_variants = !s.mla && !s.decode && s.head_dim <= 128;
+    for (int v : has_variants ? variants : std::vector<int>{-1}) {
+      Result r = Measure(s, v, overrides, runs, flush, flush_bytes);
+      if (v > 0) r.shape.name += "_v" + std::to_string(v);
+      std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(),
+                  r.median_us, r.tflops, r.tbps, 100.0 * r.tbps / copy_tbps, r.items, r.chunk_len);
+      std::fflush(stdout);
+      results.push_back(r);
+    }
+  }
+  if (!json.empty()) {
+    std::ofstream f(json);
+    f << "{\"device\": \"" << prop.name << "\", \"copy_tbps\": " << copy_tbps << ", \"shapes\": [";
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      f << (i ? ", " : "") << "{\"name\": \"" << r.shape.name << "\", \"median_us\": "
+        << r.median_us << ", \"tflops\": " << r.tflops << ", \"tbps\": " << r.tbps
+        << ", \"items\": " << r.items << ", \"chunk_len\": " << r.chunk_len << "}";
+    }
+    f << "]}\n";
+  }
+  CHECK_CUDA(cudaFree(flush));
+  return 0;
+}
+
+}  // namespace
+}  // namespace attn::bench
+
+int main(int argc, char** argv) { return attn::bench::Main(argc, argv); }

@@ -1,0 +1,340 @@
+// attn_loadgen: drives a running server with N concurrent clients and reports throughput and
+// latency, client-side and as the server itself measured it (queue / compute / total).
+//
+//   attn_loadgen --address=127.0.0.1:50051 --clients=8 --batch=8 --context=4096 --seconds=10
+//
+// Each client owns `batch` sequences of `context` tokens in the pool (filled once with random
+// K/V through Prefill, layer 0), then calls Decode over them (batch one-token queries, no append,
+// so the context stays fixed) or Prefill (`prefill_tokens` new query tokens over the context)
+// back to back. --background_prefill_tokens adds one more client that runs long prefills the
+// whole time, to show what a long prefill does to decode latency.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+ABSL_FLAG(std::string, address, "127.0.0.1:50051", "Server address");
+ABSL_FLAG(std::string, pool, "", "Pool (empty: the server's only pool)");
+ABSL_FLAG(int, clients, 1, "Concurrent clients, each with its own connection");
+ABSL_FLAG(int, batch, 64, "Sequences per call");
+ABSL_FLAG(int, context, 4096, "Tokens each sequence holds");
+ABSL_FLAG(std::string, op, "decode", "decode or prefill");
+ABSL_FLAG(int, prefill_tokens, 512, "New tokens per sequence of a prefill call (--op=prefill)");
+ABSL_FLAG(int, background_prefill_tokens, 0,
+          "When > 0, one extra client runs prefills of this many tokens (one sequence) throughout");
+ABSL_FLAG(double, seconds, 10, "Measured duration");
+ABSL_FLAG(double, warmup_seconds, 1, "Unmeasured calls first");
+ABSL_FLAG(std::string, json, "", "Also write the results here");
+
+namespace attn::bench {
+namespace {
+
+namespace v1 = ::attnserve::v1;
+using Clock = std::chrono::steady_clock;
+
+#define CHECK_RPC(call)                                                                     \
+  do {                                                                                      \
+    const grpc::Status _st = (call);                                                        \
+    if (!_st.ok()) {                                                                        \
+      std::fprintf(stderr, "%s failed: %s %s\n", #call, std::to_string(static_cast<int>(_st.error_code())).c_str(), \
+                   _st.error_message().c_str());                                            \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+std::unique_ptr<v1::AttentionService::Stub> Connect(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  // A connection per client, as separate scheduler processes would have.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return v1::AttentionService::NewStub(
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+}
+
+void RandomBf16(v1::Tensor* t, std::vector<int64_t> shape, std::mt19937& rng) {
+  t->set_dtype(v1::DTYPE_BF16);
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    t->add_shape(d);
+    n *= d;
+  }
+  std::string* data = t->mutable_data();
+  data->resize(n * 2);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = u(rng);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    const uint16_t h = static_cast<uint16_t>(bits >> 16);
+    std::memcpy(data->data() + 2 * i, &h, 2);
+  }
+}
+
+struct Geometry {
+  v1::PoolInfo pool;
+  bool mla() const { return pool.kind() == v1::POOL_KIND_MLA; }
+  int q_dim() const { return mla() ? 512 : pool.head_dim(); }
+};
+
+// Sequences of one client: their pages and page table.
+struct Sequences {
+  std::vector<int32_t> kv_indptr{0}, kv_indices, kv_last_page_len;
+  std::vector<int32_t> all_pages;
+};
+
+Sequences Allocate(v1::AttentionService::Stub& stub, const Geometry& g, int count, int tokens) {
+  Sequences s;
+  const int ps = g.pool.page_size();
+  const int pages = (tokens + ps - 1) / ps;
+  for (int b = 0; b < count; ++b) {
+    grpc::ClientContext ctx;
+    v1::AllocatePagesRequest req;
+    req.set_pool(g.pool.name());
+    req.set_num_pages(pages);
+    v1::AllocatePagesResponse resp;
+    CHECK_RPC(stub.AllocatePages(&ctx, req, &resp));
+    s.kv_indices.insert(s.kv_indices.end(), resp.page_ids().begin(), resp.page_ids().end());
+    s.kv_indptr.push_back(static_cast<int32_t>(s.kv_indices.size()));
+    s.kv_last_page_len.push_back(tokens - (pages - 1) * ps);
+  }
+  s.all_pages = s.kv_indices;
+  return s;
+}
+
+void Free(v1::AttentionService::Stub& stub, const Geometry& g, const Sequences& s) {
+  grpc::ClientContext ctx;
+  v1::FreePagesRequest req;
+  req.set_pool(g.pool.name());
+  *req.mutable_page_ids() = {s.all_pages.begin(), s.all_pages.end()};
+  v1::FreePagesResponse resp;
+  CHECK_RPC(stub.FreePages(&ctx, req, &resp));
+}
+
+// Prefill request for `q_len` new tokens at the end of sequence b's `tokens` (append or not).
+v1::PrefillRequest PrefillOf(const Geometry& g, const Sequences& s, int b, int tokens, int q_len,
+                             bool append, std::mt19937& rng) {
+  v1::PrefillRequest r;
+  r.set_pool(g.pool.name());
+  const int64_t h = g.pool.num_qo_heads();
+  RandomBf16(r.mutable_q(), {q_len, h, g.q_dim()}, rng);
+  if (g.mla()) RandomBf16(r.mutable_q_pe(), {q_len, h, 64}, rng);
+  if (append && g.mla()) {
+    RandomBf16(r.mutable_ckv_new(), {q_len, 512}, rng);
+    RandomBf16(r.mutable_kpe_new(), {q_len, 64}, rng);
+  } else if (append) {
+    RandomBf16(r.mutable_k_new(), {q_len, g.pool.num_kv_heads(), g.pool.head_dim()}, rng);
+    RandomBf16(r.mutable_v_new(), {q_len, g.pool.num_kv_heads(), g.pool.head_dim()}, rng);
+  }
+  if (g.mla()) r.set_sm_scale(0.1352337747812271f);
+  r.add_qo_indptr(0);
+  r.add_qo_indptr(q_len);
+  const int ps = g.pool.page_size();
+  const int pages = (tokens + ps - 1) / ps;
+  r.add_kv_indptr(0);
+  r.add_kv_indptr(pages);
+  for (int i = 0; i < pages; ++i) r.add_kv_indices(s.kv_indices[s.kv_indptr[b] + i]);
+  r.add_kv_last_page_len(tokens - (pages - 1) * ps);
+  return r;
+}
+
+// Writes random K/V into every token of the client's sequences, in chunks.
+void Fill(v1::AttentionService::Stub& stub, const Geometry& g, const Sequences& s, int tokens,
+          std::mt19937& rng) {
+  constexpr int kChunk = 2048;
+  for (size_t b = 0; b + 1 < s.kv_indptr.size(); ++b) {
+    for (int done = 0; done < tokens; done += kChunk) {
+      const int n = std::min(kChunk, tokens - done);
+      v1::PrefillRequest r = PrefillOf(g, s, static_cast<int>(b), done + n, n, true, rng);
+      grpc::ClientContext ctx;
+      v1::AttentionResponse resp;
+      CHECK_RPC(stub.Prefill(&ctx, r, &resp));
+    }
+  }
+}
+
+v1::DecodeRequest DecodeOf(const Geometry& g, const Sequences& s, std::mt19937& rng) {
+  v1::DecodeRequest r;
+  r.set_pool(g.pool.name());
+  const int64_t batch = static_cast<int64_t>(s.kv_indptr.size()) - 1;
+  RandomBf16(r.mutable_q(), {batch, g.pool.num_qo_heads(), g.q_dim()}, rng);
+  if (g.mla()) {
+    RandomBf16(r.mutable_q_pe(), {batch, g.pool.num_qo_heads(), 64}, rng);
+    r.set_sm_scale(0.1352337747812271f);
+  }
+  *r.mutable_kv_indptr() = {s.kv_indptr.begin(), s.kv_indptr.end()};
+  *r.mutable_kv_indices() = {s.kv_indices.begin(), s.kv_indices.end()};
+  *r.mutable_kv_last_page_len() = {s.kv_last_page_len.begin(), s.kv_last_page_len.end()};
+  return r;
+}
+
+struct Sample {
+  double client_us, queue_us, compute_us, total_us;
+  int batch_requests;
+};
+
+struct Stats {
+  std::vector<Sample> samples;
+  int64_t tokens = 0;
+};
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+template <typename Field>
+std::vector<double> Column(const std::vector<Sample>& s, Field f) {
+  std::vector<double> v;
+  for (const Sample& x : s) v.push_back(f(x));
+  return v;
+}
+
+int Main() {
+  const std::string address = absl::GetFlag(FLAGS_address);
+  const int clients = absl::GetFlag(FLAGS_clients), batch = absl::GetFlag(FLAGS_batch);
+  const int context = absl::GetFlag(FLAGS_context);
+  const bool prefill = absl::GetFlag(FLAGS_op) == "prefill";
+  const int prefill_tokens = absl::GetFlag(FLAGS_prefill_tokens);
+  const int background = absl::GetFlag(FLAGS_background_prefill_tokens);
+
+  auto info_stub = Connect(address);
+  grpc::ClientContext info_ctx;
+  v1::GetServerInfoResponse info;
+  CHECK_RPC(info_stub->GetServerInfo(&info_ctx, {}, &info));
+  Geometry g;
+  for (const v1::PoolInfo& p : info.pools()) {
+    if (absl::GetFlag(FLAGS_pool).empty() || p.name() == absl::GetFlag(FLAGS_pool)) g.pool = p;
+  }
+  std::printf("server %s backend %s (%s); pool %s: %d/%d heads, page %d\n", info.version().c_str(),
+              info.backend().c_str(), info.device().c_str(), g.pool.name().c_str(),
+              g.pool.num_qo_heads(), g.pool.num_kv_heads(), g.pool.page_size());
+
+  // Set-up: every client's sequences, filled with random K/V.
+  const int seq_tokens = prefill ? context + prefill_tokens : context;
+  std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs;
+  std::vector<Sequences> seqs;
+  std::mt19937 rng(1);
+  for (int c = 0; c < clients + (background > 0); ++c) {
+    const bool bg = c == clients;
+    stubs.push_back(Connect(address));
+    seqs.push_back(Allocate(*stubs.back(), g, bg ? 1 : batch, bg ? background : seq_tokens));
+    Fill(*stubs.back(), g, seqs.back(), bg ? background : seq_tokens, rng);
+  }
+
+  std::atomic<bool> measuring{false}, stop{false};
+  std::vector<Stats> stats(clients + (background > 0));
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients + (background > 0); ++c) {
+    threads.emplace_back([&, c] {
+      std::mt19937 local(c + 7);
+      const bool bg = c == clients;
+      v1::DecodeRequest decode = DecodeOf(g, seqs[c], local);
+      std::vector<v1::PrefillRequest> prefills;
+      if (bg) {
+        prefills.push_back(PrefillOf(g, seqs[c], 0, background, background, false, local));
+      } else if (prefill) {
+        for (int b = 0; b < batch; ++b) {
+          prefills.push_back(PrefillOf(g, seqs[c], b, seq_tokens, prefill_tokens, false, local));
+        }
+      }
+      size_t next = 0;
+      while (!stop.load()) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+        v1::AttentionResponse resp;
+        const auto start = Clock::now();
+        const grpc::Status st = prefills.empty()
+                                    ? stubs[c]->Decode(&ctx, decode, &resp)
+                                    : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()],
+                                                        &resp);
+        const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+        if (!st.ok()) {
+          std::fprintf(stderr, "call failed: %s\n", st.error_message().c_str());
+          std::exit(1);
+        }
+        if (!measuring.load()) continue;
+        const v1::Timings& t = resp.timings();
+        stats[c].samples.push_back({us, double(t.queue_us()), double(t.compute_us()),
+                                    double(t.total_us()), t.batch_requests()});
+        stats[c].tokens += prefills.empty() ? batch : (bg ? background : prefill_tokens);
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(absl::GetFlag(FLAGS_warmup_seconds)));
+  measuring = true;
+  const auto begin = Clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(absl::GetFlag(FLAGS_seconds)));
+  measuring = false;
+  const double elapsed = std::chrono::duration<double>(Clock::now() - begin).count();
+  stop = true;
+  for (auto& t : threads) t.join();
+  for (int c = 0; c < clients + (background > 0); ++c) Free(*stubs[c], g, seqs[c]);
+
+  Stats fg;
+  for (int c = 0; c < clients; ++c) {
+    fg.samples.insert(fg.samples.end(), stats[c].samples.begin(), stats[c].samples.end());
+    fg.tokens += stats[c].tokens;
+  }
+  auto col = [&](auto f) { return Column(fg.samples, f); };
+  const auto client = col([](const Sample& s) { return s.client_us; });
+  const auto queue = col([](const Sample& s) { return s.queue_us; });
+  const auto compute = col([](const Sample& s) { return s.compute_us; });
+  const auto total = col([](const Sample& s) { return s.total_us; });
+  const auto overhead = col([](const Sample& s) { return s.total_us - s.compute_us; });
+  double merged = 0;
+  for (const Sample& s : fg.samples) merged += s.batch_requests;
+  merged /= std::max<size_t>(1, fg.samples.size());
+  const double calls_per_s = fg.samples.size() / elapsed;
+  const double tokens_per_s = fg.tokens / elapsed;
+
+  std::printf("%d clients x %s batch %d, context %d%s: %zu calls in %.1f s\n", clients,
+              prefill ? "prefill" : "decode", batch, context,
+              background > 0 ? absl::StrCat(", background prefill ", background).c_str() : "",
+              fg.samples.size(), elapsed);
+  std::printf("  throughput  %.0f calls/s, %.0f tokens/s; calls merged per launch %.2f\n",
+              calls_per_s, tokens_per_s, merged);
+  std::printf("  client us   p50 %.0f  p90 %.0f  p99 %.0f\n", Percentile(client, .5),
+              Percentile(client, .9), Percentile(client, .99));
+  std::printf("  server us   queue p50 %.0f p99 %.0f | compute p50 %.0f p99 %.0f | total p50 %.0f "
+              "p99 %.0f | overhead (total - compute) p50 %.0f p99 %.0f\n",
+              Percentile(queue, .5), Percentile(queue, .99), Percentile(compute, .5),
+              Percentile(compute, .99), Percentile(total, .5), Percentile(total, .99),
+              Percentile(overhead, .5), Percentile(overhead, .99));
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    std::ofstream f(path);
+    f << "{\"clients\": " << clients << ", \"batch\": " << batch << ", \"context\": " << context
+      << ", \"op\": \"" << (prefill ? "prefill" : "decode") << "\", \"background_prefill\": "
+      << background << ", \"calls_per_s\": " << calls_per_s << ", \"tokens_per_s\": "
+      << tokens_per_s << ", \"merged_per_launch\": " << merged
+      << ", \"client_us\": {\"p50\": " << Percentile(client, .5) << ", \"p90\": "
+      << Percentile(client, .9) << ", \"p99\": " << Percentile(client, .99)
+      << "}, \"server_overhead_us\": {\"p50\": " << Percentile(overhead, .5)
+      << ", \"p99\": " << Percentile(overhead, .99) << "}, \"compute_us_p50\": "
+      << Percentile(compute, .5) << ", \"queue_us_p50\": " << Percentile(queue, .5) << "}\n";
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace attn::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return attn::bench::Main();
+}

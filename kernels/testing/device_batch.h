@@ -1,0 +1,100 @@
+// Runs host-built batches (paged_batch_builder.h) through the CUDA entry points the way the
+// server's CUDA executor does: plan on the host, copy inputs and plan to the device, append +
+// attention (+ split-KV merge) on a stream. Used by kernel_tests and kernel_bench.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "kernels/cuda_attention.h"
+#include "kernels/plan.h"
+#include "kernels/testing/paged_batch_builder.h"
+
+namespace attn::testing {
+
+// cudaMalloc'd bytes, freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  cudaError_t Allocate(size_t bytes);
+  // Allocates and copies `n` elements from host.
+  template <typename T>
+  cudaError_t Upload(const T* host, size_t n) {
+    cudaError_t err = Allocate(n * sizeof(T));
+    if (err != cudaSuccess || n == 0) return err;
+    return cudaMemcpy(ptr_, host, n * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  template <typename T>
+  cudaError_t Upload(const std::vector<T>& host) {
+    return Upload(host.data(), host.size());
+  }
+  template <typename T>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Workspace rows a test or benchmark plans with (float32 rows of up to 512 columns: 1 GiB).
+inline constexpr int64_t kTestPartialRows = int64_t{1} << 19;
+
+// Planner settings a benchmark may override (0 keeps the kernel's own).
+struct PlanOverrides {
+  int min_chunk_len = 0;
+  double target_waves = 0;
+};
+
+// One batch resident on the device, runnable many times.
+class DeviceBatch {
+ public:
+  // Copies `host` (GQA or MLA) to the device and plans it for the current device.
+  // `variant`: the GQA prefill tile shape (KernelTiling::variant; -1 for the default).
+  static cudaError_t Create(GqaHostBatch& host, std::unique_ptr<DeviceBatch>* out, int variant = -1,
+                            PlanOverrides overrides = {});
+  static cudaError_t Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>* out,
+                            PlanOverrides overrides = {});
+
+  // Append (when the batch has new K/V) and attention, enqueued on `stream`.
+  cudaError_t Run(cudaStream_t stream);
+  // Attention alone (what a benchmark times once the cache is filled).
+  cudaError_t RunAttention(cudaStream_t stream);
+  // Fills the NaN-poisoned outputs again (0xff bytes are NaN in bf16 and float32).
+  cudaError_t PoisonOutputs(cudaStream_t stream);
+
+  // Copies out, lse and the cache back (synchronizes).
+  cudaError_t Download(std::vector<bf16>* out, std::vector<float>* lse,
+                       std::vector<bf16>* cache) const;
+
+  const AttentionPlan& plan() const { return plan_; }
+
+ private:
+  DeviceBatch() = default;
+  cudaError_t UploadTable(const HostPageTable& table);
+  cudaError_t UploadPlan(PlanConfig config, const PlanOverrides& overrides,
+                         const HostPageTable& table);
+
+  bool mla_ = false;
+  GqaParams gqa_;
+  MlaParams mla_params_;
+  AttentionPlan plan_;
+  cuda::DevicePlan device_plan_;
+  DeviceBuffer cache_, q_, q_pe_, k_new_, v_new_, out_, lse_;
+  DeviceBuffer qo_indptr_, kv_indptr_, kv_indices_, kv_last_page_len_, seq_layer_;
+  DeviceBuffer items_, merges_, partial_out_, partial_lse_;
+};
+
+// True when a CUDA device is usable (tests skip otherwise).
+bool CudaDeviceAvailable();
+
+}  // namespace attn::testing
