@@ -1,0 +1,28 @@
+#include "server/backend_factory.h"
+
+#include "server/cpu_backend.h"
+#if ATTN_HAVE_CUDA
+#include "server/cuda_backend.h"
+#endif
+
+namespace attn {
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+    const ServerOptions& options, std::function<void(const absl::Status&)> on_fatal_error) {
+#if ATTN_HAVE_CUDA
+  if (options.backend == "cuda" || (options.backend == "auto" && CudaDeviceCount() > 0)) {
+    CudaBackendOptions cuda;
+    cuda.single_stream = options.cuda_single_stream;
+    cuda.on_fatal_error = std::move(on_fatal_error);
+    return CreateCudaBackend(std::move(cuda));
+  }
+#else
+  (void)on_fatal_error;  // the CPU backend has no fatal errors
+  if (options.backend == "cuda") {
+    return absl::UnavailableError("this build has no CUDA backend (nvcc was not found)");
+  }
+#endif
+  return CreateCpuBackend(options.cpu_threads);
+}
+
+}  // namespace attn

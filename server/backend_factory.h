@@ -1,0 +1,19 @@
+// Creates the backend a server's options name: "cpu", "cuda", or "auto" (CUDA when this build has
+// the CUDA backend and a device is present, the CPU otherwise).
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "server/backend.h"
+#include "server/config.h"
+
+namespace attn {
+
+// `on_fatal_error` runs once if the device fails in a way that poisons the process (CUDA sticky
+// errors); the server then stops serving and exits non-zero.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+    const ServerOptions& options, std::function<void(const absl::Status&)> on_fatal_error);
+
+}  // namespace attn

@@ -1,0 +1,107 @@
+#include "server/config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/text_format.h"
+#include "server/status_macros.h"
+
+namespace attn {
+namespace {
+
+constexpr int64_t kDefaultMaxMessageBytes = int64_t{512} << 20;
+constexpr int64_t kGrpcMessageLimit = (int64_t{1} << 31) - 1;
+
+absl::Status CheckRange(const char* name, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " = ", value, " is outside [", lo, ", ", hi, "]"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+v1::ServerConfig DefaultConfig() {
+  v1::ServerConfig c;
+  c.set_listen_address("127.0.0.1:50051");
+  c.set_metrics_port(9464);
+  c.set_backend("auto");
+  c.set_cpu_threads(0);
+  c.set_max_message_bytes(kDefaultMaxMessageBytes);
+  v1::BatchingConfig* b = c.mutable_batching();
+  const BatchingOptions defaults;
+  b->set_max_queue_delay_us(static_cast<int>(absl::ToInt64Microseconds(defaults.max_queue_delay)));
+  b->set_max_batch_requests(defaults.max_batch_requests);
+  b->set_max_batch_tokens(defaults.max_batch_tokens);
+  b->set_max_queue_requests(defaults.max_queue_requests);
+  v1::PoolConfig* p = c.add_pools();
+  p->set_name("default");
+  p->set_kind(v1::POOL_KIND_GQA);
+  p->set_num_layers(2);
+  p->set_page_size(16);
+  p->set_num_qo_heads(32);
+  p->set_num_kv_heads(8);
+  p->set_head_dim(128);
+  p->set_num_pages(4096);
+  return c;
+}
+
+absl::StatusOr<v1::ServerConfig> ReadConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open config file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  v1::ServerConfig config;
+  if (!google::protobuf::TextFormat::ParseFromString(text.str(), &config)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not a text-format attnserve.v1.ServerConfig (see the log above)"));
+  }
+  return config;
+}
+
+absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
+                                            const ConfigOverrides& o) {
+  v1::ServerConfig c = DefaultConfig();
+  if (file != nullptr) {
+    // Zero scalars in the file mean "not set" and merge as no-ops; pools replace the default's.
+    if (file->pools_size() > 0) c.clear_pools();
+    c.MergeFrom(*file);
+  }
+
+  ServerOptions s;
+  s.listen_address = o.listen_address.value_or(c.listen_address());
+  s.metrics_port = o.metrics_port.value_or(c.metrics_port());
+  s.backend = o.backend.value_or(c.backend());
+  s.cpu_threads = o.cpu_threads.value_or(c.cpu_threads());
+  s.max_message_bytes = o.max_message_bytes.value_or(c.max_message_bytes());
+  s.cuda_single_stream = o.cuda_single_stream.value_or(c.cuda_single_stream());
+  const v1::BatchingConfig& b = c.batching();
+  s.batching.max_queue_delay =
+      absl::Microseconds(o.max_queue_delay_us.value_or(b.max_queue_delay_us()));
+  s.batching.max_batch_requests = o.max_batch_requests.value_or(b.max_batch_requests());
+  s.batching.max_batch_tokens = o.max_batch_tokens.value_or(b.max_batch_tokens());
+  s.batching.max_queue_requests = o.max_queue_requests.value_or(b.max_queue_requests());
+
+  if (s.listen_address.empty()) return absl::InvalidArgumentError("listen_address is empty");
+  if (s.backend != "auto" && s.backend != "cpu" && s.backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend = '", s.backend, "'; use auto, cpu or cuda"));
+  }
+  RETURN_IF_ERROR(CheckRange("metrics_port", s.metrics_port, 0, 65535));
+  RETURN_IF_ERROR(CheckRange("cpu_threads", s.cpu_threads, 0, 1024));
+  RETURN_IF_ERROR(CheckRange("max_message_bytes", s.max_message_bytes, 1 << 20, kGrpcMessageLimit));
+  RETURN_IF_ERROR(CheckRange("max_queue_delay_us",
+                             absl::ToInt64Microseconds(s.batching.max_queue_delay), 0, 1000000));
+  RETURN_IF_ERROR(CheckRange("max_batch_requests", s.batching.max_batch_requests, 1, 65536));
+  RETURN_IF_ERROR(CheckRange("max_batch_tokens", s.batching.max_batch_tokens, 1, 1 << 24));
+  RETURN_IF_ERROR(CheckRange("max_queue_requests", s.batching.max_queue_requests, 1, 1 << 20));
+  for (const v1::PoolConfig& p : c.pools()) {
+    ASSIGN_OR_RETURN(PoolGeometry g, GeometryFromConfig(p));
+    s.pools.push_back(std::move(g));
+  }
+  return s;
+}
+
+}  // namespace attn

@@ -1,0 +1,179 @@
+#include "server/service.h"
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/grpc_status.h"
+#include "server/validate.h"
+
+namespace attn {
+namespace {
+
+absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
+  if (t == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(t);
+}
+
+int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+constexpr char kGetServerInfo[] = "GetServerInfo";
+constexpr char kAllocatePages[] = "AllocatePages";
+constexpr char kFreePages[] = "FreePages";
+constexpr char kPrefill[] = "Prefill";
+constexpr char kDecode[] = "Decode";
+
+}  // namespace
+
+AttentionServiceImpl::AttentionServiceImpl(Engine* engine, Metrics* metrics,
+                                           int64_t max_message_bytes)
+    : engine_(engine), metrics_(metrics), max_message_bytes_(max_message_bytes) {
+  for (const auto& pool : engine_->pools()) UpdatePoolGauges(*pool);
+}
+
+void AttentionServiceImpl::Finish(grpc::ServerUnaryReactor* reactor, const char* method,
+                                  absl::Time arrived, const absl::Status& status) {
+  metrics_->OnRpc(method, status, absl::Now() - arrived);
+  metrics_->OnRpcFinished();
+  reactor->Finish(ToGrpcStatus(status));
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::FinishNow(grpc::CallbackServerContext* ctx,
+                                                          const char* method, absl::Time arrived,
+                                                          const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  Finish(reactor, method, arrived, status);
+  return reactor;
+}
+
+void AttentionServiceImpl::UpdatePoolGauges(const Engine::Pool& pool) {
+  metrics_->SetPoolPages(pool.geometry.name, pool.pages.free_pages(), pool.pages.total_pages());
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                              const v1::GetServerInfoRequest*,
+                                                              v1::GetServerInfoResponse* resp) {
+  const absl::Time arrived = absl::Now();
+  metrics_->OnRpcStarted();
+  resp->set_version(kVersion);
+  resp->set_backend(engine_->backend().name());
+  resp->set_device(engine_->backend().device());
+  resp->set_max_message_bytes(max_message_bytes_);
+  for (const auto& pool : engine_->pools()) {
+    v1::PoolInfo* info = resp->add_pools();
+    *info = ToPoolInfo(pool->geometry);
+    info->set_free_pages(pool->pages.free_pages());
+  }
+  return FinishNow(ctx, kGetServerInfo, arrived, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServerContext* ctx,
+                                                              const v1::AllocatePagesRequest* req,
+                                                              v1::AllocatePagesResponse* resp) {
+  const absl::Time arrived = absl::Now();
+  metrics_->OnRpcStarted();
+  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req->pool());
+  if (!pool.ok()) return FinishNow(ctx, kAllocatePages, arrived, pool.status());
+  absl::StatusOr<std::vector<int32_t>> ids = (*pool)->pages.Allocate(req->num_pages());
+  if (!ids.ok()) {
+    if (absl::IsResourceExhausted(ids.status())) {
+      metrics_->OnAllocationFailure((*pool)->geometry.name);
+    }
+    return FinishNow(ctx, kAllocatePages, arrived, ids.status());
+  }
+  resp->mutable_page_ids()->Assign(ids->begin(), ids->end());
+  UpdatePoolGauges(**pool);
+  return FinishNow(ctx, kAllocatePages, arrived, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerContext* ctx,
+                                                          const v1::FreePagesRequest* req,
+                                                          v1::FreePagesResponse* resp) {
+  const absl::Time arrived = absl::Now();
+  metrics_->OnRpcStarted();
+  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req->pool());
+  if (!pool.ok()) return FinishNow(ctx, kFreePages, arrived, pool.status());
+  if (absl::Status st = (*pool)->pages.Free(req->page_ids()); !st.ok()) {
+    return FinishNow(ctx, kFreePages, arrived, st);
+  }
+  resp->set_free_pages((*pool)->pages.free_pages());
+  UpdatePoolGauges(**pool);
+  return FinishNow(ctx, kFreePages, arrived, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerContext* ctx,
+                                                        const v1::PrefillRequest* req,
+                                                        v1::AttentionResponse* resp) {
+  return Attention(Op::kPrefill, ctx, *req, resp);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Decode(grpc::CallbackServerContext* ctx,
+                                                       const v1::DecodeRequest* req,
+                                                       v1::AttentionResponse* resp) {
+  return Attention(Op::kDecode, ctx, *req, resp);
+}
+
+template <typename Request>
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
+                                                          grpc::CallbackServerContext* ctx,
+                                                          const Request& req,
+                                                          v1::AttentionResponse* resp) {
+  const absl::Time arrived = absl::Now();
+  const char* method = op == Op::kPrefill ? kPrefill : kDecode;
+  metrics_->OnRpcStarted();
+  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
+  if (!pool.ok()) return FinishNow(ctx, method, arrived, pool.status());
+  const PoolGeometry& g = (*pool)->geometry;
+
+  absl::StatusOr<AttentionCall> call;
+  if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
+    call = ValidatePrefill(req, g, (*pool)->pages);
+  } else {
+    call = ValidateDecode(req, g, (*pool)->pages);
+  }
+  if (!call.ok()) return FinishNow(ctx, method, arrived, call.status());
+
+  const int out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
+  v1::Tensor* out = resp->mutable_output();
+  out->set_dtype(v1::DTYPE_BF16);
+  out->add_shape(call->total_q);
+  out->add_shape(g.num_qo_heads);
+  out->add_shape(out_dim);
+  call->out = out->mutable_data();
+  if (call->return_lse) {
+    v1::Tensor* lse = resp->mutable_lse();
+    lse->set_dtype(v1::DTYPE_FP32);
+    lse->add_shape(call->total_q);
+    lse->add_shape(g.num_qo_heads);
+    call->lse = lse->mutable_data();
+  }
+
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto pending = std::make_unique<PendingCall>();
+  pending->call = *std::move(call);
+  pending->deadline = ToAbslTime(ctx->deadline());
+  pending->is_cancelled = [ctx] { return ctx->IsCancelled(); };
+  pending->done = [this, reactor, resp, arrived, method](const absl::Status& st,
+                                                        const CallReport& report) {
+    if (st.ok()) {
+      v1::Timings* t = resp->mutable_timings();
+      t->set_queue_us(Micros(report.launched - report.enqueued));
+      t->set_compute_us(Micros(report.compute));
+      t->set_total_us(Micros(report.finished - arrived));
+      t->set_batch_requests(report.batch_requests);
+    }
+    Finish(reactor, method, arrived, st);
+  };
+  Batcher& batcher = (*pool)->batcher(op);
+  if (absl::Status st = batcher.Submit(std::move(pending)); !st.ok()) {
+    if (absl::IsResourceExhausted(st)) {
+      // The standard gRPC retry-pushback trailer: clients with a retry policy wait this long.
+      ctx->AddTrailingMetadata("grpc-retry-pushback-ms",
+                               absl::StrCat(absl::ToInt64Milliseconds(batcher.RetryHint())));
+    }
+    Finish(reactor, method, arrived, st);
+  }
+  return reactor;
+}
+
+}  // namespace attn

@@ -1,0 +1,55 @@
+// The gRPC edge: AttentionService over an Engine. Handlers validate, enqueue and return without
+// blocking; the batcher thread finishes each call.
+#pragma once
+
+#include <string>
+
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "server/engine.h"
+#include "server/metrics.h"
+
+namespace attn {
+
+namespace v1 = ::attnserve::v1;
+
+inline constexpr char kVersion[] = "0.1.0";
+
+class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+ public:
+  // `engine` and `metrics` must outlive the service.
+  AttentionServiceImpl(Engine* engine, Metrics* metrics, int64_t max_message_bytes);
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest* req,
+                                          v1::GetServerInfoResponse* resp) override;
+  grpc::ServerUnaryReactor* AllocatePages(grpc::CallbackServerContext* ctx,
+                                          const v1::AllocatePagesRequest* req,
+                                          v1::AllocatePagesResponse* resp) override;
+  grpc::ServerUnaryReactor* FreePages(grpc::CallbackServerContext* ctx,
+                                      const v1::FreePagesRequest* req,
+                                      v1::FreePagesResponse* resp) override;
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx,
+                                    const v1::PrefillRequest* req,
+                                    v1::AttentionResponse* resp) override;
+  grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* ctx,
+                                   const v1::DecodeRequest* req,
+                                   v1::AttentionResponse* resp) override;
+
+ private:
+  template <typename Request>
+  grpc::ServerUnaryReactor* Attention(Op op, grpc::CallbackServerContext* ctx,
+                                      const Request& req, v1::AttentionResponse* resp);
+
+  // Finishes a call and records it (method, status, server-side duration since `arrived`).
+  void Finish(grpc::ServerUnaryReactor* reactor, const char* method, absl::Time arrived,
+              const absl::Status& status);
+  grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const char* method,
+                                      absl::Time arrived, const absl::Status& status);
+  void UpdatePoolGauges(const Engine::Pool& pool);
+
+  Engine* const engine_;
+  Metrics* const metrics_;
+  const int64_t max_message_bytes_;
+};
+
+}  // namespace attn
