@@ -1,0 +1,93 @@
+"""Tensor helpers: bf16 <-> float32 conversion and the wire `Tensor` message.
+
+bf16 values are held in numpy as uint16 bit patterns (numpy has no bfloat16). On the wire a
+Tensor is dtype + shape + raw bytes, row-major and little-endian (attention.proto).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from attnserve.v1 import attention_pb2 as pb
+
+# Wire element type of each DType, little-endian regardless of the host.
+_WIRE_DTYPES: dict[int, np.dtype] = {
+    pb.DTYPE_BF16: np.dtype("<u2"),
+    pb.DTYPE_FP16: np.dtype("<f2"),
+    pb.DTYPE_FP32: np.dtype("<f4"),
+}
+
+_ROUNDING_BIAS = np.uint32(0x7FFF)
+_BF16_QUIET_NAN_BIT = np.uint16(0x0040)
+
+
+def float_to_bf16(x: npt.ArrayLike) -> np.ndarray:
+    """Rounds float values to bf16 (nearest, ties to even); returns the uint16 bit patterns.
+
+    NaN stays NaN (sign kept, quiet bit set), +-inf stays +-inf, and finite values beyond the
+    bf16 range round to +-inf as IEEE rounding does.
+    """
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    bits = f.view(np.uint32)
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = ((bits + _ROUNDING_BIAS + lsb) >> np.uint32(16)).astype(np.uint16)
+    truncated_nan = (bits >> np.uint32(16)).astype(np.uint16) | _BF16_QUIET_NAN_BIT
+    return np.where(np.isnan(f), truncated_nan, rounded)
+
+
+def bf16_to_float(bits: npt.ArrayLike) -> np.ndarray:
+    """Widens bf16 bit patterns (uint16) to float32 exactly."""
+    b = np.asarray(bits)
+    if b.dtype != np.uint16:
+        raise TypeError(f"bf16 bit patterns must be uint16, got {b.dtype}")
+    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def bf16_round(x: npt.ArrayLike) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (what the server sees after conversion)."""
+    return bf16_to_float(float_to_bf16(x))
+
+
+def pack_tensor(array: npt.ArrayLike, dtype: int = pb.DTYPE_BF16) -> pb.Tensor:
+    """Builds a Tensor message from a numpy array.
+
+    For DTYPE_BF16 a uint16 array is taken as raw bf16 bits and a floating array is rounded to
+    bf16. For DTYPE_FP16 / DTYPE_FP32 a floating array is cast to that type.
+    """
+    a = np.asarray(array)
+    wire = _wire_dtype(dtype)
+    if a.dtype == np.uint16 and dtype == pb.DTYPE_BF16:
+        data = a.astype(wire)
+    elif a.dtype.kind != "f":
+        raise TypeError(f"cannot pack a {a.dtype} array as {pb.DType.Name(dtype)}")
+    elif dtype == pb.DTYPE_BF16:
+        data = float_to_bf16(a).astype(wire)
+    else:
+        data = a.astype(wire)
+    return pb.Tensor(dtype=dtype, shape=a.shape, data=np.ascontiguousarray(data).tobytes())
+
+
+def unpack_tensor(tensor: pb.Tensor) -> np.ndarray:
+    """Decodes a Tensor message into a float32 numpy array of its shape."""
+    wire = _wire_dtype(tensor.dtype)
+    shape = tuple(tensor.shape)
+    expected = math.prod(shape) * wire.itemsize
+    if len(tensor.data) != expected:
+        raise ValueError(
+            f"tensor data has {len(tensor.data)} bytes, shape {list(shape)} of "
+            f"{pb.DType.Name(tensor.dtype)} needs {expected}"
+        )
+    raw = np.frombuffer(tensor.data, dtype=wire).reshape(shape)
+    if tensor.dtype == pb.DTYPE_BF16:
+        return bf16_to_float(raw.astype(np.uint16))
+    return raw.astype(np.float32)
+
+
+def _wire_dtype(dtype: int) -> np.dtype:
+    try:
+        return _WIRE_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {dtype}") from None

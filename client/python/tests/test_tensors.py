@@ -1,0 +1,107 @@
+"""bf16 conversion and Tensor packing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnserve.tensors import (
+    bf16_round,
+    bf16_to_float,
+    float_to_bf16,
+    pack_tensor,
+    unpack_tensor,
+)
+from attnserve.v1 import attention_pb2 as pb
+
+
+@pytest.mark.parametrize(
+    ("value", "bits"),
+    [
+        (1.0, 0x3F80),
+        (-2.5, 0xC020),
+        (0.0, 0x0000),
+        (-0.0, 0x8000),
+        (1.0 + 2**-8, 0x3F80),  # tie between 0x3F80 and 0x3F81: to even (down)
+        (1.0 + 3 * 2**-8, 0x3F82),  # tie between 0x3F81 and 0x3F82: to even (up)
+        (1.0 + 2**-8 + 2**-20, 0x3F81),  # just above the tie: up
+        (np.inf, 0x7F80),
+        (-np.inf, 0xFF80),
+        (3.4e38, 0x7F80),  # beyond the largest bf16: rounds to inf
+        (3.3895314e38, 0x7F7F),  # the largest bf16
+        (2**-133, 0x0001),  # smallest bf16 subnormal
+    ],
+)
+def test_float_to_bf16_rounds_to_nearest_even(value: float, bits: int) -> None:
+    assert float_to_bf16(np.float32(value)) == bits
+
+
+def test_nan_stays_nan_with_its_sign() -> None:
+    # 0x7F800001 truncates to 0x7F80 (inf) without the quiet bit.
+    x = np.array([0x7F800001, 0xFFC00000, 0x7FC00000], dtype=np.uint32).view(np.float32)
+    out = float_to_bf16(x)
+    assert np.isnan(bf16_to_float(out)).all()
+    assert list(out >> 15) == [0, 1, 0]
+
+
+def test_every_bf16_value_round_trips() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = np.isfinite(bf16_to_float(bits))
+    assert (float_to_bf16(bf16_to_float(bits))[finite] == bits[finite]).all()
+
+
+def test_bf16_round_error_is_at_most_half_an_ulp() -> None:
+    x = np.random.default_rng(0).standard_normal(10000).astype(np.float32)
+    rel = np.abs(bf16_round(x) - x) / np.abs(x)
+    assert rel.max() <= 2.0**-8
+
+
+def test_bf16_to_float_needs_uint16() -> None:
+    with pytest.raises(TypeError):
+        bf16_to_float(np.zeros(3, dtype=np.int32))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "itemsize"), [(pb.DTYPE_BF16, 2), (pb.DTYPE_FP16, 2), (pb.DTYPE_FP32, 4)]
+)
+def test_pack_unpack_round_trip(dtype: int, itemsize: int) -> None:
+    x = bf16_round(np.random.default_rng(1).standard_normal((3, 4, 5)).astype(np.float32))
+    t = pack_tensor(x, dtype)
+    assert t.dtype == dtype
+    assert list(t.shape) == [3, 4, 5]
+    assert len(t.data) == 60 * itemsize
+    np.testing.assert_array_equal(unpack_tensor(t), x)  # bf16 values are exact in all three
+    assert unpack_tensor(t).dtype == np.float32
+
+
+def test_pack_is_row_major_little_endian() -> None:
+    x = np.array([[1.0, 2.0], [3.0, -1.0]], dtype=np.float32)
+    assert pack_tensor(x.T, pb.DTYPE_FP32).data == np.array([1, 3, 2, -1], "<f4").tobytes()
+    assert pack_tensor(x, pb.DTYPE_BF16).data == bytes.fromhex("803f 0040 4040 80bf")
+
+
+def test_pack_takes_uint16_as_raw_bf16() -> None:
+    bits = np.array([0x3F80, 0x7FC1], dtype=np.uint16)
+    assert pack_tensor(bits).data == bytes.fromhex("803f c17f")
+
+
+@pytest.mark.parametrize(
+    ("array", "dtype"),
+    [(np.zeros(2, np.int32), pb.DTYPE_BF16), (np.zeros(2, np.uint16), pb.DTYPE_FP32)],
+)
+def test_pack_rejects_ambiguous_arrays(array: np.ndarray, dtype: int) -> None:
+    with pytest.raises(TypeError):
+        pack_tensor(array, dtype)
+
+
+def test_unpack_checks_data_length_and_dtype() -> None:
+    with pytest.raises(ValueError, match="needs 12"):
+        unpack_tensor(pb.Tensor(dtype=pb.DTYPE_BF16, shape=[2, 3], data=b"\0" * 10))
+    with pytest.raises(ValueError, match="dtype"):
+        unpack_tensor(pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[1], data=b"\0\0"))
+
+
+def test_scalar_and_empty_tensors() -> None:
+    assert unpack_tensor(pack_tensor(np.float32(2.0))).shape == ()
+    empty = pack_tensor(np.zeros((0, 4), np.float32))
+    assert unpack_tensor(empty).shape == (0, 4)
