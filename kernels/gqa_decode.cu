@@ -10,6 +10,7 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/epilogue.cuh"
+#include "kernels/common/launch.h"
 #include "kernels/common/smem_tile.cuh"
 #include "kernels/common/softmax_state.cuh"
 #include "kernels/launchers.h"
@@ -57,25 +58,12 @@ __global__ void __launch_bounds__(kThreads)
   const SeqExtent seq = GetSeqExtent(p.batch, p.cache.page_size, item.seq);
   const int num_rows = seq.q_len * group;
 
-  for (int idx = tid; idx < kBlockM * Tile::kChunks; idx += kThreads) {
-    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
-    const int packed = item.row_begin + r;
-    const bool valid = packed < num_rows;
-    const int token = packed / group, head = kv_head * group + packed % group;
-    const bf16* src = p.q + ((int64_t{seq.q_begin} + token) * p.num_qo_heads + head) * kHeadDim;
-    CopyAsync16(s_q + Tile::Offset(r, c), valid ? src + c * 8 : p.q, valid);
-  }
+  Tile::template LoadPackedQuery<kBlockM, kThreads>(s_q, p, seq, item.row_begin, num_rows, kv_head,
+                                                    group, tid);
 
-  const GqaCache& cache = p.cache;
-  PagedRows rows;
-  rows.base = cache.data + seq.layer * cache.LayerStride() + kv_head * kHeadDim;
-  rows.pages = p.batch.kv_indices + seq.page_begin;
-  rows.page_stride = cache.PageStride();
-  rows.token_stride = static_cast<int>(cache.TokenStride());
-  rows.page_size = cache.page_size;
-  rows.page_shift = PowerOfTwoShift(cache.page_size);
+  const PagedRows rows = GqaKeyRows(p.cache, p.batch, seq, kv_head);
   const bf16* k_base = rows.base;
-  const bf16* v_base = rows.base + cache.page_size * cache.TokenStride();
+  const bf16* v_base = rows.base + GqaValueOffset(p.cache);
 
   const int num_tiles = (item.kv_end - item.kv_begin + kBlockN - 1) / kBlockN;
   auto lookup = [&](int t) {
@@ -232,8 +220,7 @@ template <int kHeadDim, int kStages>
 cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
   using T = DecodeTraits<kHeadDim, kStages>;
   auto kernel = GqaDecodeKernel<kHeadDim, kStages>;
-  ATTN_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+  ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kernel, T::kSmemBytes));
   const RowSink sink{p.out, p.lse, plan.partial_out, plan.partial_lse, -1, 0,
                      p.num_qo_heads, kHeadDim, p.num_qo_heads / p.cache.num_kv_heads, 0};
   const dim3 grid(plan.num_items, p.cache.num_kv_heads);
@@ -245,16 +232,11 @@ cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stre
 template <int kHeadDim, int kStages>
 cudaError_t Tiling(KernelTiling* tiling) {
   using T = DecodeTraits<kHeadDim, kStages>;
-  auto kernel = GqaDecodeKernel<kHeadDim, kStages>;
-  ATTN_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
-  tiling->block_m = kBlockM;
-  tiling->block_n = kBlockN;
   // Measured on H200 (bench/RESULTS.md): batch 1 x 16384 keys ran 44 us with 256-key chunks,
   // 37 us with 512 (fewer CTAs and merge inputs, each CTA long enough to fill its pipeline).
   tiling->min_chunk_len = 512;
-  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&tiling->ctas_per_sm, kernel, kThreads,
-                                                       T::kSmemBytes);
+  return DescribeKernel(GqaDecodeKernel<kHeadDim, kStages>, kThreads, T::kSmemBytes, kBlockM,
+                        kBlockN, tiling);
 }
 
 // Stages: enough bytes in flight per SM to cover memory latency, with 2+ CTAs per SM where the

@@ -12,6 +12,7 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/epilogue.cuh"
+#include "kernels/common/launch.h"
 #include "kernels/common/smem_tile.cuh"
 #include "kernels/common/softmax_state.cuh"
 #include "kernels/launchers.h"
@@ -51,26 +52,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   const SeqExtent seq = GetSeqExtent(p.batch, p.cache.page_size, item.seq);
   const int num_rows = seq.q_len * group;
 
-  // Query rows: packed row r of the tile is token (row_begin + r) / group.
-  for (int idx = tid; idx < T::kBlockM * Tile::kChunks; idx += T::kThreads) {
-    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
-    const int packed = item.row_begin + r;
-    const bool valid = packed < num_rows;
-    const int token = packed / group, head = kv_head * group + packed % group;
-    const bf16* src = p.q + ((int64_t{seq.q_begin} + token) * p.num_qo_heads + head) * kHeadDim;
-    CopyAsync16(s_q + Tile::Offset(r, c), valid ? src + c * 8 : p.q, valid);
-  }
+  Tile::template LoadPackedQuery<T::kBlockM, T::kThreads>(s_q, p, seq, item.row_begin, num_rows,
+                                                          kv_head, group, tid);
 
-  const GqaCache& cache = p.cache;
-  PagedRows rows;
-  rows.base = cache.data + seq.layer * cache.LayerStride() + kv_head * kHeadDim;
-  rows.pages = p.batch.kv_indices + seq.page_begin;
-  rows.page_stride = cache.PageStride();
-  rows.token_stride = static_cast<int>(cache.TokenStride());
-  rows.page_size = cache.page_size;
-  rows.page_shift = PowerOfTwoShift(cache.page_size);
+  const PagedRows rows = GqaKeyRows(p.cache, p.batch, seq, kv_head);
   const bf16* k_base = rows.base;
-  const bf16* v_base = rows.base + cache.page_size * cache.TokenStride();
+  const bf16* v_base = rows.base + GqaValueOffset(p.cache);
   auto tile_key = [&](int t) { return item.kv_begin + t * kBlockN; };
 
   // Each lane holds rows g and g + 8 of each of its warp's m-tiles. Their key limits are
@@ -175,8 +162,7 @@ struct Config {
   static constexpr auto kKernel = GqaPrefillKernel<kHeadDim, kWarps, kMTiles, kBlockN>;
 
   static cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+    ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink{p.out, p.lse, plan.partial_out, plan.partial_lse, -1, 0,
                        p.num_qo_heads, kHeadDim, p.num_qo_heads / p.cache.num_kv_heads, 0};
     const dim3 grid(plan.num_items, p.cache.num_kv_heads);
@@ -186,12 +172,7 @@ struct Config {
   }
 
   static cudaError_t Tiling(KernelTiling* tiling) {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
-    tiling->block_m = T::kBlockM;
-    tiling->block_n = kBlockN;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&tiling->ctas_per_sm, kKernel,
-                                                         T::kThreads, T::kSmemBytes);
+    return DescribeKernel(kKernel, T::kThreads, T::kSmemBytes, T::kBlockM, kBlockN, tiling);
   }
 };
 

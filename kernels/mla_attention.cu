@@ -11,6 +11,7 @@
 
 #include "kernels/common/cuda_check.h"
 #include "kernels/common/epilogue.cuh"
+#include "kernels/common/launch.h"
 #include "kernels/common/smem_tile.cuh"
 #include "kernels/common/softmax_state.cuh"
 #include "kernels/launchers.h"
@@ -70,14 +71,7 @@ __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
     CopyAsync16(s_q + Tile::Offset(r, c), valid ? src : p.q_nope, valid);
   }
 
-  const MlaCache& cache = p.cache;
-  PagedRows rows;
-  rows.base = cache.data + seq.layer * cache.LayerStride();
-  rows.pages = p.batch.kv_indices + seq.page_begin;
-  rows.page_stride = cache.PageStride();
-  rows.token_stride = kMlaTokenDim;
-  rows.page_size = cache.page_size;
-  rows.page_shift = PowerOfTwoShift(cache.page_size);
+  const PagedRows rows = MlaRows(p.cache, p.batch, seq);
 
   const int num_tiles = (item.kv_end - item.kv_begin + kBlockN - 1) / kBlockN;
   auto lookup = [&](int t) {
@@ -210,8 +204,7 @@ struct Config {
   static constexpr auto kKernel = MlaKernel<kRowGroups, kStages>;
 
   static cudaError_t Launch(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+    ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink{p.out, p.lse, plan.partial_out, plan.partial_lse, -1, 0,
                        p.num_heads, kMlaCkvDim, p.num_heads, 0};
     kKernel<<<plan.num_items, T::kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
@@ -220,15 +213,10 @@ struct Config {
   }
 
   static cudaError_t Tiling(KernelTiling* tiling) {
-    ATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
-    tiling->block_m = T::kBlockM;
-    tiling->block_n = kBlockN;
     // Each chunk of each sequence costs a 16 x 512 float partial write and read: 1024-key chunks
     // keep that under 3% of the KV bytes (measured on H200: 2.82 TB/s vs 2.36 with 256).
     tiling->min_chunk_len = 1024;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&tiling->ctas_per_sm, kKernel,
-                                                         T::kThreads, T::kSmemBytes);
+    return DescribeKernel(kKernel, T::kThreads, T::kSmemBytes, T::kBlockM, kBlockN, tiling);
   }
 };
 

@@ -7,6 +7,14 @@
 
 namespace attn::cuda {
 
+// log2(n) when n is a power of two, else -1 (host or device).
+ATTN_HOST_DEVICE int PowerOfTwoShift(int n) {
+  if (n <= 0 || (n & (n - 1)) != 0) return -1;
+  int shift = 0;
+  while ((1 << shift) < n) ++shift;
+  return shift;
+}
+
 // Token `key` of a sequence lives in page pages[key / page_size], slot key % page_size. Row
 // pointers are `base + page * page_stride + slot * token_stride`; base already includes the layer,
 // the KV head and (for V) the offset of the V block.
@@ -55,12 +63,36 @@ struct RowOffsetRing {
   __device__ __forceinline__ const int64_t* Offsets(int tile) const { return slot[tile & 1]; }
 };
 
-// log2(n) when n is a power of two, else -1 (host or device).
-ATTN_HOST_DEVICE int PowerOfTwoShift(int n) {
-  if (n <= 0 || (n & (n - 1)) != 0) return -1;
-  int shift = 0;
-  while ((1 << shift) < n) ++shift;
-  return shift;
+// K rows of one KV head of a sequence in a GQA cache (V rows: base + VOffset(cache)).
+__device__ __forceinline__ PagedRows GqaKeyRows(const GqaCache& cache, const PagedBatch& batch,
+                                                const SeqExtent& seq, int kv_head) {
+  PagedRows rows;
+  rows.base = cache.data + seq.layer * cache.LayerStride() + kv_head * cache.head_dim;
+  rows.pages = batch.kv_indices + seq.page_begin;
+  rows.page_stride = cache.PageStride();
+  rows.token_stride = static_cast<int>(cache.TokenStride());
+  rows.page_size = cache.page_size;
+  rows.page_shift = PowerOfTwoShift(cache.page_size);
+  return rows;
 }
+
+// Elements from a page's K block to its V block.
+__device__ __forceinline__ int64_t GqaValueOffset(const GqaCache& cache) {
+  return cache.page_size * cache.TokenStride();
+}
+
+// The 576-wide rows of a sequence in an MLA cache.
+__device__ __forceinline__ PagedRows MlaRows(const MlaCache& cache, const PagedBatch& batch,
+                                             const SeqExtent& seq) {
+  PagedRows rows;
+  rows.base = cache.data + seq.layer * cache.LayerStride();
+  rows.pages = batch.kv_indices + seq.page_begin;
+  rows.page_stride = cache.PageStride();
+  rows.token_stride = kMlaTokenDim;
+  rows.page_size = cache.page_size;
+  rows.page_shift = PowerOfTwoShift(cache.page_size);
+  return rows;
+}
+
 
 }  // namespace attn::cuda

@@ -50,6 +50,24 @@ struct SwizzledTile {
                                      (n0 >> 3) + (lane >> 4)));
   }
 
+  // cp.async of a GQA query tile: packed row r is token (row_begin + r) / group, query head
+  // kv_head * group + (row_begin + r) % group of the sequence; rows at or past num_rows are
+  // zero-filled.
+  template <int kRows, int kThreads>
+  __device__ __forceinline__ static void LoadPackedQuery(bf16* tile, const GqaParams& p,
+                                                         const SeqExtent& seq, int row_begin,
+                                                         int num_rows, int kv_head, int group,
+                                                         int tid) {
+    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const int packed = row_begin + r;
+      const bool valid = packed < num_rows;
+      const int token = packed / group, head = kv_head * group + packed % group;
+      const bf16* src = p.q + ((int64_t{seq.q_begin} + token) * p.num_qo_heads + head) * kCols;
+      CopyAsync16(tile + Offset(r, c), valid ? src + c * 8 : p.q, valid);
+    }
+  }
+
   // cp.async of rows [0, kRows) from base + offsets[r] (see RowOffsetRing); rows with offset -1
   // (past the key range) are zero-filled: never read, as a NaN there would survive a zero
   // softmax weight.
