@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The service measurements of bench/RESULTS.md: batching efficiency, service overhead, and decode
+# latency beside a long prefill with and without separate CUDA streams. Starts the server itself.
+#   bench/service_scenarios.sh [--backend=cuda|cpu] [--seconds=N] [--context=N]
+# Needs attnserve and attn_loadgen on PATH; writes JSON to $OUT (default /tmp/service-bench).
+set -euo pipefail
+backend=cuda seconds=5 context=4096
+for a in "$@"; do
+  case $a in
+    --backend=*) backend=${a#*=} ;;
+    --seconds=*) seconds=${a#*=} ;;
+    --context=*) context=${a#*=} ;;
+    *) echo "unknown argument $a" >&2; exit 2 ;;
+  esac
+done
+out=${OUT:-/tmp/service-bench}
+mkdir -p "$out"
+config=$(mktemp)
+cat >"$config" <<EOC
+pools { name: "bench" kind: POOL_KIND_GQA num_layers: 1 page_size: 16 num_qo_heads: 32
+        num_kv_heads: 8 head_dim: 128 num_pages: 40000 }
+EOC
+
+server=""
+start_server() {  # extra flags...
+  attnserve --config="$config" --backend="$backend" --listen_address=127.0.0.1:0 \
+    --metrics_port=0 "$@" >"$out/server.out" 2>"$out/server.err" &
+  server=$!
+  for _ in $(seq 300); do
+    grep -q "listening on" "$out/server.out" 2>/dev/null && break
+    sleep 0.1
+  done
+  address=$(sed -n 's/^attnserve listening on //p' "$out/server.out")
+  [ -n "$address" ] || { cat "$out/server.err"; exit 1; }
+}
+stop_server() { kill "$server"; wait "$server" || true; }
+load() {  # name, loadgen flags...
+  local name=$1
+  shift
+  echo "== $name"
+  attn_loadgen --address="$address" --context="$context" --seconds="$seconds" \
+    --json="$out/$name.json" "$@"
+}
+
+start_server
+load single_client_b64 --clients=1 --batch=64
+load eight_clients_b8 --clients=8 --batch=8
+load decode_b64_beside_prefill --clients=1 --batch=64 --background_prefill_tokens=8192
+stop_server
+
+if [ "$backend" = cuda ]; then
+  start_server --cuda_single_stream
+  load decode_b64_beside_prefill_one_stream --clients=1 --batch=64 --background_prefill_tokens=8192
+  stop_server
+fi
+python3 - "$out" <<'EOP'
+import json, sys, os
+out = sys.argv[1]
+r = {n[:-5]: json.load(open(os.path.join(out, n))) for n in os.listdir(out) if n.endswith(".json")}
+one, eight = r.get("single_client_b64"), r.get("eight_clients_b8")
+if one and eight:
+    print(f"batching efficiency (8 clients x batch 8 vs 1 x 64): "
+          f"{eight['tokens_per_s'] / one['tokens_per_s']:.2f} "
+          f"({eight['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s, "
+          f"{eight['merged_per_launch']:.2f} calls per launch)")
+    print(f"service overhead, decode batch 64: p50 {one['server_overhead_us']['p50']:.0f} us, "
+          f"p99 {one['server_overhead_us']['p99']:.0f} us (kernel p50 {one['compute_us_p50']:.0f} us)")
+for name in ("decode_b64_beside_prefill", "decode_b64_beside_prefill_one_stream"):
+    if name in r:
+        c = r[name]["client_us"]
+        print(f"{name}: decode latency p50 {c['p50']:.0f} us, p99 {c['p99']:.0f} us")
+EOP
