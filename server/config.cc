@@ -30,6 +30,7 @@ v1::ServerConfig DefaultConfig() {
   c.set_backend("auto");
   c.set_cpu_threads(0);
   c.set_max_message_bytes(kDefaultMaxMessageBytes);
+  c.set_drain_timeout_seconds(30);
   v1::BatchingConfig* b = c.mutable_batching();
   const BatchingOptions defaults;
   b->set_max_queue_delay_us(static_cast<int>(absl::ToInt64Microseconds(defaults.max_queue_delay)));
@@ -77,6 +78,7 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   s.cpu_threads = o.cpu_threads.value_or(c.cpu_threads());
   s.max_message_bytes = o.max_message_bytes.value_or(c.max_message_bytes());
   s.cuda_single_stream = o.cuda_single_stream.value_or(c.cuda_single_stream());
+  s.drain_timeout_seconds = o.drain_timeout_seconds.value_or(c.drain_timeout_seconds());
   const v1::BatchingConfig& b = c.batching();
   s.batching.max_queue_delay =
       absl::Microseconds(o.max_queue_delay_us.value_or(b.max_queue_delay_us()));
@@ -91,6 +93,7 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   }
   RETURN_IF_ERROR(CheckRange("metrics_port", s.metrics_port, 0, 65535));
   RETURN_IF_ERROR(CheckRange("cpu_threads", s.cpu_threads, 0, 1024));
+  RETURN_IF_ERROR(CheckRange("drain_timeout_seconds", s.drain_timeout_seconds, 0, 3600));
   RETURN_IF_ERROR(CheckRange("max_message_bytes", s.max_message_bytes, 1 << 20, kGrpcMessageLimit));
   RETURN_IF_ERROR(CheckRange("max_queue_delay_us",
                              absl::ToInt64Microseconds(s.batching.max_queue_delay), 0, 1000000));

@@ -26,6 +26,7 @@ struct ServerOptions {
   int cpu_threads = 0;       // 0: hardware concurrency
   int64_t max_message_bytes = 0;
   bool cuda_single_stream = false;
+  int drain_timeout_seconds = 0;  // SIGTERM: how long accepted calls may take to finish
   BatchingOptions batching;
   std::vector<PoolGeometry> pools;
 };
@@ -42,6 +43,7 @@ struct ConfigOverrides {
   std::optional<int> max_batch_tokens;
   std::optional<int> max_queue_requests;
   std::optional<bool> cuda_single_stream;
+  std::optional<int> drain_timeout_seconds;
 };
 
 // The embedded default: 127.0.0.1:50051 (metrics on port 9464), backend auto, one GQA pool

@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -38,6 +39,8 @@ ABSL_FLAG(int, max_queue_delay_us, -1, "Longest wait for calls to merge with (mi
 ABSL_FLAG(int, max_batch_requests, -1, "Most calls merged into one launch");
 ABSL_FLAG(int, max_batch_tokens, -1, "Most query tokens in one launch");
 ABSL_FLAG(int, max_queue_requests, -1, "Queued calls per pool and op before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, drain_timeout_seconds, -1,
+          "On SIGTERM, how long accepted calls may take to finish (default 30)");
 ABSL_FLAG(bool, cuda_single_stream, false,
           "Run prefill and decode on one CUDA stream (for comparisons; default: a stream each)");
 
@@ -69,6 +72,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_batch_requests = Given(FLAGS_max_batch_requests);
   o.max_batch_tokens = Given(FLAGS_max_batch_tokens);
   o.max_queue_requests = Given(FLAGS_max_queue_requests);
+  o.drain_timeout_seconds = Given(FLAGS_drain_timeout_seconds);
   if (absl::GetFlag(FLAGS_cuda_single_stream)) o.cuda_single_stream = true;
   return ResolveConfig(file ? &*file : nullptr, o);
 }
@@ -155,7 +159,8 @@ int Run() {
 
   serving = server.get();
 
-  // Signals were blocked before any thread started; this thread takes them.
+  // Signals were blocked before any thread started; this thread takes them. The first asks for a
+  // graceful drain, a second one ends the process at once.
   std::thread([&shutdown] {
     sigset_t signals;
     sigemptyset(&signals);
@@ -164,10 +169,21 @@ int Run() {
     int signal_number = 0;
     sigwait(&signals, &signal_number);
     shutdown.Request(0, absl::StrCat("signal ", signal_number));
+    sigwait(&signals, &signal_number);
+    std::cerr << "attnserve: second signal, exiting now\n";
+    std::_Exit(1);
   }).detach();
   const int exit_code = shutdown.Wait();
   server->GetHealthCheckService()->SetServingStatus(false);
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  if (exit_code == 0) {
+    // Drain: refuse new work, let accepted calls finish (up to the deadline).
+    service.StartDrain();
+    const absl::Duration limit = absl::Seconds(options->drain_timeout_seconds);
+    if (!service.WaitForIdle(absl::Now() + limit)) {
+      std::cerr << "attnserve: drain deadline (" << limit << ") passed with calls in flight\n";
+    }
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   engine->reset();
   return exit_code;
 }

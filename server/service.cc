@@ -46,6 +46,31 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FinishNow(grpc::CallbackServerCo
   return reactor;
 }
 
+void AttentionServiceImpl::StartDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+}
+
+bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithDeadline(
+      absl::Condition(
+          +[](int* active) { return *active == 0; }, &active_calls_),
+      deadline);
+}
+
+absl::Status AttentionServiceImpl::Admit() {
+  absl::MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError("the server is draining; retry on another server");
+  ++active_calls_;
+  return absl::OkStatus();
+}
+
+void AttentionServiceImpl::Release() {
+  absl::MutexLock lock(&mu_);
+  --active_calls_;
+}
+
 void AttentionServiceImpl::UpdatePoolGauges(const Engine::Pool& pool) {
   metrics_->SetPoolPages(pool.geometry.name, pool.pages.free_pages(), pool.pages.total_pages());
 }
@@ -72,6 +97,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServ
                                                               v1::AllocatePagesResponse* resp) {
   const absl::Time arrived = absl::Now();
   metrics_->OnRpcStarted();
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_) {
+      return FinishNow(ctx, kAllocatePages, arrived,
+                       absl::UnavailableError("the server is draining; allocate elsewhere"));
+    }
+  }
   absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req->pool());
   if (!pool.ok()) return FinishNow(ctx, kAllocatePages, arrived, pool.status());
   absl::StatusOr<std::vector<int32_t>> ids = (*pool)->pages.Allocate(req->num_pages());
@@ -148,6 +180,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
     call->lse = lse->mutable_data();
   }
 
+  if (absl::Status st = Admit(); !st.ok()) return FinishNow(ctx, method, arrived, st);
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto pending = std::make_unique<PendingCall>();
   pending->call = *std::move(call);
@@ -163,6 +196,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
       t->set_batch_requests(report.batch_requests);
     }
     Finish(reactor, method, arrived, st);
+    Release();
   };
   Batcher& batcher = (*pool)->batcher(op);
   if (absl::Status st = batcher.Submit(std::move(pending)); !st.ok()) {
@@ -172,6 +206,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
                                absl::StrCat(absl::ToInt64Milliseconds(batcher.RetryHint())));
     }
     Finish(reactor, method, arrived, st);
+    Release();
   }
   return reactor;
 }

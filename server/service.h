@@ -4,6 +4,9 @@
 
 #include <string>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/engine.h"
 #include "server/metrics.h"
@@ -18,6 +21,13 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
  public:
   // `engine` and `metrics` must outlive the service.
   AttentionServiceImpl(Engine* engine, Metrics* metrics, int64_t max_message_bytes);
+
+  // Graceful drain: from now on Prefill, Decode and AllocatePages answer UNAVAILABLE (FreePages
+  // and GetServerInfo keep working so clients can give their pages back); calls already accepted
+  // run to completion.
+  void StartDrain();
+  // Waits until every accepted Prefill/Decode has finished, or until `deadline`. True if idle.
+  bool WaitForIdle(absl::Time deadline);
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* req,
@@ -47,8 +57,15 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                       absl::Time arrived, const absl::Status& status);
   void UpdatePoolGauges(const Engine::Pool& pool);
 
+  // Counts an accepted attention call, or returns UNAVAILABLE while draining.
+  absl::Status Admit();
+  void Release();
+
   Engine* const engine_;
   Metrics* const metrics_;
+  absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  int active_calls_ ABSL_GUARDED_BY(mu_) = 0;  // accepted Prefill/Decode not yet finished
   const int64_t max_message_bytes_;
 };
 

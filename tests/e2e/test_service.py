@@ -1,0 +1,247 @@
+"""Service behaviour across calls, each on a private server with its own flags: Prometheus
+metrics, merging of concurrent calls, queue limits and deadlines, and the graceful drain."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from attnserve import AttnError, Client
+from attnserve.tensors import float_to_bf16, pack_tensor
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from attnserve.v1 import server_config_pb2 as config_pb
+
+from launcher import Launched, launch, sample
+from workload import PoolSession
+
+POOL = "p"
+
+
+def one_pool(heads: int = 8, kv_heads: int = 2, head_dim: int = 64, pages: int = 4096):
+    config = config_pb.ServerConfig()
+    config.pools.add(name=POOL, kind=pb.POOL_KIND_GQA, num_layers=1, page_size=16,
+                     num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                     num_pages=pages)  # fmt: skip
+    return config
+
+
+@pytest.fixture
+def private(tmp_path: Path):
+    """launch(...) for the test; every server it started is stopped at the end."""
+    started: list[Launched] = []
+
+    def start(config, *flags: str) -> Launched:
+        started.append(launch(tmp_path, config, *flags))
+        return started[-1]
+
+    yield start
+    for server in started:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+
+
+def decode_request(pool: pb.PoolInfo, pages: list[int], tokens: int, rng) -> pb.DecodeRequest:
+    """One sequence of `tokens` tokens on `pages`, a random query, nothing appended."""
+    ps = pool.page_size
+    n = (tokens + ps - 1) // ps
+    q = rng.standard_normal((1, pool.num_qo_heads, pool.head_dim), dtype=np.float32)
+    return pb.DecodeRequest(
+        pool=pool.name, q=pack_tensor(float_to_bf16(q), pb.DTYPE_BF16), kv_indptr=[0, n],
+        kv_indices=pages[:n], kv_last_page_len=[tokens - (n - 1) * ps], return_lse=True)  # fmt: skip
+
+
+FAMILIES = {
+    "attn_rpc_duration_seconds": "histogram",
+    "attn_rpc_requests_total": "counter",
+    "attn_queue_wait_seconds": "histogram",
+    "attn_kernel_duration_seconds": "histogram",
+    "attn_batch_requests": "histogram",
+    "attn_batch_tokens": "histogram",
+    "attn_kv_pages": "gauge",
+    "attn_kv_pages_capacity": "gauge",
+    "attn_page_alloc_failures_total": "counter",
+    "attn_request_errors_total": "counter",
+    "attn_transfer_bytes_total": "counter",
+    "attn_inflight_requests": "gauge",
+    "attn_build_info": "gauge",
+}
+
+
+def test_metrics_are_exported_and_move(private) -> None:
+    server = private(one_pool())
+    with Client(server.address) as client:
+        pool = client.pool_info(POOL)
+        session = PoolSession(client, pool, seed=1)
+        session.chunk(["a", "b"], [40, 17])
+        session.decode_step(["a", "b"])
+        with pytest.raises(AttnError) as full:
+            client.allocate_pages(pool.total_pages, pool=POOL)
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        text = server.metrics()
+        used = pool.total_pages - client.pool_info(POOL).free_pages
+        session.close()
+
+    # Names follow the conventions named in the issue; types are declared.
+    for name, kind in FAMILIES.items():
+        assert f"# TYPE {name} {kind}" in text, name
+    # Latency buckets from 5 us to 10 s; batch sizes in powers of two.
+    assert 'le="5e-06"' in text and 'le="10"' in text
+    # Values moved with the calls above.
+    assert sample(text, "attn_rpc_requests_total", method="Prefill", code="ok") == 1
+    assert sample(text, "attn_rpc_requests_total", method="Decode", code="ok") == 1
+    assert sample(text, "attn_rpc_requests_total", method="AllocatePages",
+                  code="resource_exhausted") == 1  # fmt: skip
+    assert sample(text, "attn_request_errors_total", method="AllocatePages",
+                  reason="resource_exhausted") == 1  # fmt: skip
+    assert sample(text, "attn_page_alloc_failures_total", pool=POOL) == 1
+    assert sample(text, "attn_kv_pages", pool=POOL, state="used") == used > 0
+    assert sample(text, "attn_kv_pages_capacity", pool=POOL) == pool.total_pages
+    assert sample(text, "attn_batch_requests_count", op="prefill") == 1
+    assert sample(text, "attn_batch_tokens_sum", op="prefill") == 57
+    assert sample(text, "attn_kernel_duration_seconds_count", op="decode") == 1
+    assert sample(text, "attn_queue_wait_seconds_count", op="decode") == 1
+    assert sample(text, "attn_transfer_bytes_total", direction="in") > 0
+    assert sample(text, "attn_transfer_bytes_total", direction="out") > 0
+    assert sample(text, "attn_inflight_requests") == 0
+    assert sample(text, "attn_build_info", version="0.1.0") == 1
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    check = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
+                           capture_output=True)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_concurrent_calls_merge_and_match_sequential_results(private) -> None:
+    # A 50 ms batching window: calls that arrive together are served by one launch.
+    server = private(one_pool(), "--max_queue_delay_us=50000")
+    clients = 8
+    with Client(server.address) as client:
+        pool = client.pool_info(POOL)
+        session = PoolSession(client, pool, seed=2)
+        seqs = [f"s{i}" for i in range(clients)]
+        session.chunk(seqs, [60 + 7 * i for i in range(clients)])
+        rng = np.random.default_rng(3)
+        requests = [
+            decode_request(pool, session.table.pages(s), session.table.length(s), rng)
+            for s in seqs
+        ]
+        alone = [client.call_decode(r) for r in requests]
+        launches_before = sample(server.metrics(), "attn_batch_requests_count", op="decode")
+
+        together: list = [None] * clients
+        barrier = threading.Barrier(clients)
+
+        def call(i: int) -> None:
+            with Client(server.address) as own:
+                barrier.wait()
+                together[i] = own.call_decode(requests[i])
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        launches = sample(server.metrics(), "attn_batch_requests_count", op="decode")
+        session.close()
+
+    for a, b in zip(alone, together, strict=True):
+        assert np.array_equal(a.output, b.output) and np.array_equal(a.lse, b.lse)
+    assert launches - launches_before < clients, "concurrent calls were not merged"
+    assert max(r.timings.batch_requests for r in together) > 1
+
+
+def test_full_queue_answers_resource_exhausted_with_a_retry_hint(private) -> None:
+    server = private(one_pool(), "--max_queue_requests=1", "--max_queue_delay_us=400000")
+    with Client(server.address) as client:
+        pool = client.pool_info(POOL)
+        pages = client.allocate_pages(4, pool=POOL)
+        request = decode_request(pool, pages, 50, np.random.default_rng(4))
+        first = threading.Thread(target=client.call_decode, args=(request,))
+        first.start()  # waits in the queue for company
+        time.sleep(0.1)
+        with grpc.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.AttentionServiceStub(channel).Decode(request, timeout=10)
+        first.join()
+        client.free_pages(pages, pool=POOL)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    hint = dict(err.value.trailing_metadata() or ())
+    assert int(hint["grpc-retry-pushback-ms"]) >= 1
+
+
+def test_a_call_whose_deadline_passes_in_the_queue_never_runs(private) -> None:
+    server = private(one_pool(), "--max_queue_delay_us=400000")
+    with Client(server.address) as client:
+        pool = client.pool_info(POOL)
+        pages = client.allocate_pages(4, pool=POOL)
+        request = decode_request(pool, pages, 50, np.random.default_rng(5))
+        with pytest.raises(AttnError) as err:
+            client.call_decode(request, timeout=0.05)
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.6)  # past the batching window: the batcher has seen it
+        text = server.metrics()
+        client.free_pages(pages, pool=POOL)
+    dropped = sum(sample(text, "attn_rpc_requests_total", method="Decode", code=code)
+                  for code in ("deadline_exceeded", "cancelled"))  # fmt: skip
+    assert dropped == 1
+    assert sample(text, "attn_batch_requests_count", op="decode") == 0
+
+
+def test_sigterm_drains_accepted_calls_and_exits_zero(private) -> None:
+    # Calls wait up to 300 ms for company, so several are queued when the signal arrives.
+    server = private(one_pool(32, 8, 128), "--max_queue_delay_us=300000",
+                     "--drain_timeout_seconds=20")  # fmt: skip
+    outcomes: list[tuple[float, grpc.StatusCode]] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def load(seed: int) -> None:
+        with Client(server.address, timeout=30) as own:
+            pool = own.pool_info(POOL)
+            pages = own.allocate_pages(64, pool=POOL)
+            request = decode_request(pool, pages, 1000, np.random.default_rng(seed))
+            while not stop.is_set():
+                try:
+                    own.call_decode(request)
+                    code = grpc.StatusCode.OK
+                except AttnError as e:
+                    code = e.code
+                with lock:
+                    outcomes.append((time.monotonic(), code))
+                if code != grpc.StatusCode.OK:
+                    return
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    assert server.health() == 2, "health must be NOT_SERVING while draining"
+    with Client(server.address) as late:
+        with pytest.raises(AttnError) as refused:
+            late.allocate_pages(1, pool=POOL)
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    code = server.process.wait(timeout=20)
+    stop.set()
+    for t in threads:
+        t.join()
+
+    assert code == 0, server.log_tail()
+    codes = {c for _, c in outcomes}
+    assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+    # Calls that were queued when the signal came finished normally.
+    assert any(c == grpc.StatusCode.OK and t > signalled for t, c in outcomes)
