@@ -1,6 +1,8 @@
 #include "server/config.h"
 
+#include <algorithm>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -31,6 +33,7 @@ v1::ServerConfig DefaultConfig() {
   c.set_cpu_threads(0);
   c.set_max_message_bytes(kDefaultMaxMessageBytes);
   c.set_drain_timeout_seconds(30);
+  c.set_session_lease_seconds(300);
   v1::BatchingConfig* b = c.mutable_batching();
   const BatchingOptions defaults;
   b->set_max_queue_delay_us(static_cast<int>(absl::ToInt64Microseconds(defaults.max_queue_delay)));
@@ -79,6 +82,10 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   s.max_message_bytes = o.max_message_bytes.value_or(c.max_message_bytes());
   s.cuda_single_stream = o.cuda_single_stream.value_or(c.cuda_single_stream());
   s.drain_timeout_seconds = o.drain_timeout_seconds.value_or(c.drain_timeout_seconds());
+  const int lease_s = o.session_lease_seconds.value_or(c.session_lease_seconds());
+  s.sessions.default_lease = absl::Seconds(lease_s);
+  s.sessions.max_lease = std::max(absl::Hours(1), s.sessions.default_lease);
+  s.sessions.default_max_pages = o.session_max_pages.value_or(c.session_max_pages());
   const v1::BatchingConfig& b = c.batching();
   s.batching.max_queue_delay =
       absl::Microseconds(o.max_queue_delay_us.value_or(b.max_queue_delay_us()));
@@ -94,6 +101,9 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   RETURN_IF_ERROR(CheckRange("metrics_port", s.metrics_port, 0, 65535));
   RETURN_IF_ERROR(CheckRange("cpu_threads", s.cpu_threads, 0, 1024));
   RETURN_IF_ERROR(CheckRange("drain_timeout_seconds", s.drain_timeout_seconds, 0, 3600));
+  RETURN_IF_ERROR(CheckRange("session_lease_seconds", lease_s, 1, 7 * 24 * 3600));
+  RETURN_IF_ERROR(CheckRange("session_max_pages", s.sessions.default_max_pages, 0,
+                             std::numeric_limits<int32_t>::max()));
   RETURN_IF_ERROR(CheckRange("max_message_bytes", s.max_message_bytes, 1 << 20, kGrpcMessageLimit));
   RETURN_IF_ERROR(CheckRange("max_queue_delay_us",
                              absl::ToInt64Microseconds(s.batching.max_queue_delay), 0, 1000000));

@@ -14,6 +14,7 @@
 #include "attnserve/v1/server_config.pb.h"
 #include "server/batcher.h"
 #include "server/pool_geometry.h"
+#include "server/sessions.h"
 
 namespace attn {
 
@@ -28,6 +29,7 @@ struct ServerOptions {
   bool cuda_single_stream = false;
   int drain_timeout_seconds = 0;  // SIGTERM: how long accepted calls may take to finish
   BatchingOptions batching;
+  SessionOptions sessions;
   std::vector<PoolGeometry> pools;
 };
 
@@ -44,6 +46,8 @@ struct ConfigOverrides {
   std::optional<int> max_queue_requests;
   std::optional<bool> cuda_single_stream;
   std::optional<int> drain_timeout_seconds;
+  std::optional<int> session_lease_seconds;
+  std::optional<int> session_max_pages;
 };
 
 // The embedded default: 127.0.0.1:50051 (metrics on port 9464), backend auto, one GQA pool

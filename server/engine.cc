@@ -1,17 +1,26 @@
 #include "server/engine.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/status_macros.h"
 
 namespace attn {
 
+Engine::Engine(std::unique_ptr<Backend> backend, const SessionOptions& sessions, uint64_t epoch,
+               ReclaimObserver on_reclaim)
+    : backend_(std::move(backend)), sessions_(epoch, sessions), on_reclaim_(std::move(on_reclaim)) {}
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Backend> backend,
                                                        std::vector<PoolGeometry> pools,
                                                        const BatchingOptions& batching,
-                                                       BatchObserver* observer) {
+                                                       const SessionOptions& sessions,
+                                                       uint64_t epoch, BatchObserver* observer,
+                                                       ReclaimObserver on_reclaim) {
   if (pools.empty()) return absl::InvalidArgumentError("no pools configured");
-  std::unique_ptr<Engine> engine(new Engine(std::move(backend)));
+  std::unique_ptr<Engine> engine(
+      new Engine(std::move(backend), sessions, epoch, std::move(on_reclaim)));
   for (PoolGeometry& g : pools) {
     for (const auto& existing : engine->pools_) {
       if (existing->geometry.name == g.name) {
@@ -30,10 +39,39 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Backend> 
     }
     engine->pools_.push_back(std::move(pool));
   }
+  // Leases are checked every second, or more often for shorter leases.
+  const absl::Duration period =
+      std::clamp(sessions.default_lease / 8, absl::Milliseconds(10), absl::Seconds(1));
+  Engine* e = engine.get();
+  engine->reaper_ = std::thread([e, period] {
+    while (!e->stop_reaper_.WaitForNotificationWithTimeout(period)) e->ExpireSessions(absl::Now());
+  });
   return engine;
 }
 
+int Engine::ReleaseSession(SessionId id, bool expired) {
+  int released = 0;
+  for (auto& pool : pools_) {
+    const int pages = pool->pages.ReleaseOwner(id);
+    if (expired && pages > 0 && on_reclaim_) on_reclaim_(pool->geometry.name, pages);
+    released += pages;
+  }
+  return released;
+}
+
+absl::StatusOr<int> Engine::CloseSession(absl::string_view handle) {
+  absl::StatusOr<SessionId> id = sessions_.Close(handle);
+  if (!id.ok()) return id.status();
+  return ReleaseSession(*id, /*expired=*/false);
+}
+
+void Engine::ExpireSessions(absl::Time now) {
+  for (SessionId id : sessions_.Expire(now)) ReleaseSession(id, /*expired=*/true);
+}
+
 Engine::~Engine() {
+  stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
   // Batchers first: their threads use the lanes, which use the backend's storage.
   for (auto& pool : pools_) {
     pool->prefill.reset();

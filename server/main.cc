@@ -9,6 +9,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -41,6 +42,9 @@ ABSL_FLAG(int, max_batch_tokens, -1, "Most query tokens in one launch");
 ABSL_FLAG(int, max_queue_requests, -1, "Queued calls per pool and op before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int, drain_timeout_seconds, -1,
           "On SIGTERM, how long accepted calls may take to finish (default 30)");
+ABSL_FLAG(int, session_lease_seconds, -1,
+          "Lease of implicit sessions and of sessions opened without one (default 300)");
+ABSL_FLAG(int, session_max_pages, -1, "Page quota of sessions opened without one (default none)");
 ABSL_FLAG(bool, cuda_single_stream, false,
           "Run prefill and decode on one CUDA stream (for comparisons; default: a stream each)");
 
@@ -73,6 +77,8 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_batch_tokens = Given(FLAGS_max_batch_tokens);
   o.max_queue_requests = Given(FLAGS_max_queue_requests);
   o.drain_timeout_seconds = Given(FLAGS_drain_timeout_seconds);
+  o.session_lease_seconds = Given(FLAGS_session_lease_seconds);
+  o.session_max_pages = Given(FLAGS_session_max_pages);
   if (absl::GetFlag(FLAGS_cuda_single_stream)) o.cuda_single_stream = true;
   return ResolveConfig(file ? &*file : nullptr, o);
 }
@@ -123,8 +129,11 @@ int Run() {
     return 1;
   }
   Metrics metrics(kVersion, (*backend)->name(), (*backend)->device());
-  absl::StatusOr<std::unique_ptr<Engine>> engine =
-      Engine::Create(*std::move(backend), options->pools, options->batching, &metrics);
+  // A new epoch every start: session handles of an earlier run are recognized as such.
+  const uint64_t epoch = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(
+      *std::move(backend), options->pools, options->batching, options->sessions, epoch, &metrics,
+      [&metrics](const std::string& pool, int pages) { metrics.OnPagesReclaimed(pool, pages); });
   if (!engine.ok()) {
     std::cerr << "attnserve: " << engine.status() << "\n";
     return 1;
@@ -182,6 +191,9 @@ int Run() {
     if (!service.WaitForIdle(absl::Now() + limit)) {
       std::cerr << "attnserve: drain deadline (" << limit << ") passed with calls in flight\n";
     }
+    // Keep answering UNAVAILABLE a moment longer, so a client's next call gets that answer
+    // rather than a connection torn down under it.
+    absl::SleepFor(absl::Milliseconds(250));
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   engine->reset();

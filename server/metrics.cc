@@ -67,6 +67,10 @@ Metrics::Metrics(const std::string& version, const std::string& backend,
                           .Name("attn_page_alloc_failures_total")
                           .Help("AllocatePages calls refused because the pool was too full")
                           .Register(*registry_)),
+      pages_reclaimed_(prometheus::BuildCounter()
+                           .Name("attn_pages_reclaimed_total")
+                           .Help("Pages of sessions whose lease expired, returned to the pool")
+                           .Register(*registry_)),
       transfer_bytes_(prometheus::BuildCounter()
                           .Name("attn_transfer_bytes_total")
                           .Help("Bytes moved to the backend (in: inputs) and back (out: outputs)")
@@ -135,6 +139,12 @@ void Metrics::OnRpc(const char* method, const absl::Status& status, absl::Durati
   if (!status.ok()) request_errors_.Add({{"method", method}, {"reason", code}}).Increment();
 }
 
+void Metrics::AddPool(const std::string& pool, int total_pages) {
+  alloc_failures_.Add({{"pool", pool}});
+  pages_reclaimed_.Add({{"pool", pool}});
+  SetPoolPages(pool, total_pages, total_pages);
+}
+
 void Metrics::SetPoolPages(const std::string& pool, int free_pages, int total_pages) {
   kv_pages_.Add({{"pool", pool}, {"state", "free"}}).Set(free_pages);
   kv_pages_.Add({{"pool", pool}, {"state", "used"}}).Set(total_pages - free_pages);
@@ -143,6 +153,10 @@ void Metrics::SetPoolPages(const std::string& pool, int free_pages, int total_pa
 
 void Metrics::OnAllocationFailure(const std::string& pool) {
   alloc_failures_.Add({{"pool", pool}}).Increment();
+}
+
+void Metrics::OnPagesReclaimed(const std::string& pool, int pages) {
+  pages_reclaimed_.Add({{"pool", pool}}).Increment(pages);
 }
 
 void Metrics::OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) {

@@ -40,8 +40,12 @@ class Metrics final : public BatchObserver {
   void OnRpcStarted() { inflight_.Increment(); }
   void OnRpcFinished() { inflight_.Decrement(); }
 
+  // Creates a pool's series at zero (so rates start from the first scrape) and sets its pages.
+  void AddPool(const std::string& pool, int total_pages);
   void SetPoolPages(const std::string& pool, int free_pages, int total_pages);
   void OnAllocationFailure(const std::string& pool);
+  // Pages of sessions whose lease expired, returned to the pool.
+  void OnPagesReclaimed(const std::string& pool, int pages);
 
   // BatchObserver (called on batcher threads).
   void OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) override;
@@ -63,6 +67,7 @@ class Metrics final : public BatchObserver {
   prometheus::Family<prometheus::Gauge>& kv_pages_;
   prometheus::Family<prometheus::Gauge>& kv_pages_capacity_;
   prometheus::Family<prometheus::Counter>& alloc_failures_;
+  prometheus::Family<prometheus::Counter>& pages_reclaimed_;
   prometheus::Family<prometheus::Counter>& transfer_bytes_;
   prometheus::Counter& bytes_in_;
   prometheus::Counter& bytes_out_;

@@ -53,8 +53,11 @@ TEST(MetricsTest, LaunchesPoolsAndTransfers) {
   stats.bytes_out = 10;
   m.OnLaunch(Op::kDecode, 3, 24, stats);
   m.OnQueueWait(Op::kDecode, absl::Microseconds(7));
+  m.AddPool("gqa", 100);
+  EXPECT_TRUE(Has(m.Scrape(), R"(attn_pages_reclaimed_total{pool="gqa"} 0)"));
   m.SetPoolPages("gqa", 90, 100);
   m.OnAllocationFailure("gqa");
+  m.OnPagesReclaimed("gqa", 7);
   const std::string text = m.Scrape();
   EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",le="2"} 0)")) << text;
   EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",le="4"} 1)"));
@@ -66,6 +69,7 @@ TEST(MetricsTest, LaunchesPoolsAndTransfers) {
   EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="used"} 10)"));
   EXPECT_TRUE(Has(text, R"(attn_kv_pages_capacity{pool="gqa"} 100)"));
   EXPECT_TRUE(Has(text, R"(attn_page_alloc_failures_total{pool="gqa"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_pages_reclaimed_total{pool="gqa"} 7)"));
 }
 
 TEST(MetricsTest, ServesOnAFreePort) {

@@ -1,8 +1,11 @@
-// Page id allocator of one KV pool. The pages' storage belongs to the backend; this class only
-// tracks which ids are handed out.
+// Page id allocator of one KV pool, with ownership and pins. The pages' storage belongs to the
+// backend; this class only tracks which ids are handed out, to which session, and which ones an
+// unfinished call is using.
 //
-// Invariant: free_pages() + used_pages() == total_pages() at all times. Allocate and Free are
-// all-or-nothing: a failing call changes nothing. Thread safe.
+// Invariant: free_pages() + used_pages() == total_pages() at all times. Every operation is
+// all-or-nothing: a failing call changes nothing. A pinned page (in the page table of a call that
+// has not finished) is never freed: Free refuses it, and pages released with their session are
+// freed when their last pin goes. Thread safe.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "server/sessions.h"
 
 namespace attn {
 
@@ -23,32 +27,44 @@ class PagePool {
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
-  // num_pages distinct free ids, now allocated. INVALID_ARGUMENT for num_pages < 1 or above the
-  // pool's size, RESOURCE_EXHAUSTED when fewer pages are free.
-  absl::StatusOr<std::vector<int32_t>> Allocate(int num_pages);
+  // num_pages distinct free ids, now owned by `owner`. INVALID_ARGUMENT for num_pages < 1 or
+  // above the pool's size, RESOURCE_EXHAUSTED when fewer pages are free.
+  absl::StatusOr<std::vector<int32_t>> Allocate(int num_pages, SessionId owner);
 
-  // Frees every id, or none: INVALID_ARGUMENT for an id out of range or listed twice,
-  // FAILED_PRECONDITION for an id that is not allocated.
-  absl::Status Free(absl::Span<const int32_t> ids);
+  // Frees pages of `owner`: INVALID_ARGUMENT for an id out of range or listed twice,
+  // FAILED_PRECONDITION for an id that is not allocated, is another session's, or is in use by
+  // an unfinished call.
+  absl::Status Free(absl::Span<const int32_t> ids, SessionId owner);
 
-  // OK when every id is in range and allocated; otherwise the error Free would give, naming
-  // `field` and the position of the first bad id.
-  absl::Status CheckAllocated(absl::Span<const int32_t> ids, const char* field) const;
+  // Pins the pages a call reads and writes: every id must be in range (INVALID_ARGUMENT) and
+  // allocated to `owner` (FAILED_PRECONDITION); the message names `field` and the position.
+  absl::Status Pin(absl::Span<const int32_t> ids, SessionId owner, const char* field);
+  // Undoes Pin(ids) once the call finished; frees released pages whose last pin this was.
+  void Unpin(absl::Span<const int32_t> ids);
+
+  // Releases every page of `owner` (a closed or expired session): unpinned pages are free at
+  // once, pinned ones when their calls finish. Returns how many pages it released.
+  int ReleaseOwner(SessionId owner);
 
   int total_pages() const { return num_pages_; }
   int free_pages() const;
   int used_pages() const { return total_pages() - free_pages(); }
 
  private:
-  absl::Status CheckAllocatedLocked(absl::Span<const int32_t> ids, const char* field) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // owner_ value of a page released while pinned: freed by its last Unpin.
+  static constexpr SessionId kReleased = -1;
+
+  absl::Status CheckOwnedLocked(absl::Span<const int32_t> ids, SessionId owner,
+                                const char* field) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void FreeLocked(int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int num_pages_;
   mutable absl::Mutex mu_;
   // Free ids, popped from the back; initially in descending order so the first pages handed out
   // are 0, 1, 2, ...
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint8_t> allocated_ ABSL_GUARDED_BY(mu_);  // [num_pages_], 1 = allocated
+  std::vector<SessionId> owner_ ABSL_GUARDED_BY(mu_);  // [num_pages_]: 0 = free
+  std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);     // [num_pages_]
 };
 
 }  // namespace attn

@@ -22,13 +22,17 @@ constexpr char kAllocatePages[] = "AllocatePages";
 constexpr char kFreePages[] = "FreePages";
 constexpr char kPrefill[] = "Prefill";
 constexpr char kDecode[] = "Decode";
+constexpr char kOpenSession[] = "OpenSession";
+constexpr char kCloseSession[] = "CloseSession";
 
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(Engine* engine, Metrics* metrics,
                                            int64_t max_message_bytes)
     : engine_(engine), metrics_(metrics), max_message_bytes_(max_message_bytes) {
-  for (const auto& pool : engine_->pools()) UpdatePoolGauges(*pool);
+  for (const auto& pool : engine_->pools()) {
+    metrics_->AddPool(pool->geometry.name, pool->pages.total_pages());
+  }
 }
 
 void AttentionServiceImpl::Finish(grpc::ServerUnaryReactor* reactor, const char* method,
@@ -59,6 +63,11 @@ bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
       deadline);
 }
 
+absl::StatusOr<SessionId> AttentionServiceImpl::Session(grpc::CallbackServerContext* ctx,
+                                                        const std::string& handle) {
+  return engine_->sessions().Resolve(handle, ctx->peer(), absl::Now());
+}
+
 absl::Status AttentionServiceImpl::Admit() {
   absl::MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("the server is draining; retry on another server");
@@ -76,11 +85,19 @@ void AttentionServiceImpl::UpdatePoolGauges(const Engine::Pool& pool) {
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
-                                                              const v1::GetServerInfoRequest*,
+                                                              const v1::GetServerInfoRequest* req,
                                                               v1::GetServerInfoResponse* resp) {
   const absl::Time arrived = absl::Now();
   metrics_->OnRpcStarted();
+  if (!req->session().empty()) {
+    if (absl::StatusOr<SessionId> id = Session(ctx, req->session()); !id.ok()) {
+      return FinishNow(ctx, kGetServerInfo, arrived, id.status());
+    }
+  }
   resp->set_version(kVersion);
+  resp->set_epoch(engine_->sessions().epoch());
+  resp->set_default_lease_ms(
+      static_cast<int32_t>(absl::ToInt64Milliseconds(engine_->sessions().default_lease())));
   resp->set_backend(engine_->backend().name());
   resp->set_device(engine_->backend().device());
   resp->set_max_message_bytes(max_message_bytes_);
@@ -106,7 +123,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServ
   }
   absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req->pool());
   if (!pool.ok()) return FinishNow(ctx, kAllocatePages, arrived, pool.status());
-  absl::StatusOr<std::vector<int32_t>> ids = (*pool)->pages.Allocate(req->num_pages());
+  absl::StatusOr<SessionId> owner = Session(ctx, req->session());
+  if (!owner.ok()) return FinishNow(ctx, kAllocatePages, arrived, owner.status());
+  // The quota first (other sessions' pages are never touched), then the pool.
+  SessionTable& sessions = engine_->sessions();
+  absl::StatusOr<std::vector<int32_t>> ids = absl::UnknownError("unset");
+  if (absl::Status quota = sessions.Charge(*owner, req->num_pages()); !quota.ok()) {
+    ids = quota;
+  } else {
+    ids = (*pool)->pages.Allocate(req->num_pages(), *owner);
+    if (!ids.ok()) sessions.Refund(*owner, req->num_pages());
+  }
   if (!ids.ok()) {
     if (absl::IsResourceExhausted(ids.status())) {
       metrics_->OnAllocationFailure((*pool)->geometry.name);
@@ -125,9 +152,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerCo
   metrics_->OnRpcStarted();
   absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req->pool());
   if (!pool.ok()) return FinishNow(ctx, kFreePages, arrived, pool.status());
-  if (absl::Status st = (*pool)->pages.Free(req->page_ids()); !st.ok()) {
+  absl::StatusOr<SessionId> owner = Session(ctx, req->session());
+  if (!owner.ok()) return FinishNow(ctx, kFreePages, arrived, owner.status());
+  if (absl::Status st = (*pool)->pages.Free(req->page_ids(), *owner); !st.ok()) {
     return FinishNow(ctx, kFreePages, arrived, st);
   }
+  engine_->sessions().Refund(*owner, req->page_ids_size());
   resp->set_free_pages((*pool)->pages.free_pages());
   UpdatePoolGauges(**pool);
   return FinishNow(ctx, kFreePages, arrived, absl::OkStatus());
@@ -145,6 +175,38 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Decode(grpc::CallbackServerConte
   return Attention(Op::kDecode, ctx, *req, resp);
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
+                                                            const v1::OpenSessionRequest* req,
+                                                            v1::OpenSessionResponse* resp) {
+  const absl::Time arrived = absl::Now();
+  metrics_->OnRpcStarted();
+  if (req->lease_ms() < 0 || req->max_pages() < 0) {
+    return FinishNow(ctx, kOpenSession, arrived,
+                     absl::InvalidArgumentError(absl::StrCat(
+                         "lease_ms = ", req->lease_ms(), " and max_pages = ", req->max_pages(),
+                         " must not be negative (0 takes the server's default)")));
+  }
+  const OpenedSession s =
+      engine_->sessions().Open(absl::Milliseconds(req->lease_ms()), req->max_pages(), arrived);
+  resp->set_session(s.handle);
+  resp->set_epoch(engine_->sessions().epoch());
+  resp->set_lease_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(s.lease)));
+  resp->set_max_pages(s.max_pages);
+  return FinishNow(ctx, kOpenSession, arrived, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
+                                                             const v1::CloseSessionRequest* req,
+                                                             v1::CloseSessionResponse* resp) {
+  const absl::Time arrived = absl::Now();
+  metrics_->OnRpcStarted();
+  absl::StatusOr<int> freed = engine_->CloseSession(req->session());
+  if (!freed.ok()) return FinishNow(ctx, kCloseSession, arrived, freed.status());
+  resp->set_freed_pages(*freed);
+  for (const auto& pool : engine_->pools()) UpdatePoolGauges(*pool);
+  return FinishNow(ctx, kCloseSession, arrived, absl::OkStatus());
+}
+
 template <typename Request>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
                                                           grpc::CallbackServerContext* ctx,
@@ -159,11 +221,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
 
   absl::StatusOr<AttentionCall> call;
   if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
-    call = ValidatePrefill(req, g, (*pool)->pages);
+    call = ValidatePrefill(req, g);
   } else {
-    call = ValidateDecode(req, g, (*pool)->pages);
+    call = ValidateDecode(req, g);
   }
   if (!call.ok()) return FinishNow(ctx, method, arrived, call.status());
+  absl::StatusOr<SessionId> owner = Session(ctx, req.session());
+  if (!owner.ok()) return FinishNow(ctx, method, arrived, owner.status());
 
   const int out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
   v1::Tensor* out = resp->mutable_output();
@@ -181,13 +245,20 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
   }
 
   if (absl::Status st = Admit(); !st.ok()) return FinishNow(ctx, method, arrived, st);
+  // Pinned pages cannot be freed or reclaimed until the call finishes.
+  PagePool& pages = (*pool)->pages;
+  const absl::Span<const int32_t> pinned = call->kv_indices;
+  if (absl::Status st = pages.Pin(pinned, *owner, "kv_indices"); !st.ok()) {
+    Release();
+    return FinishNow(ctx, method, arrived, st);
+  }
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto pending = std::make_unique<PendingCall>();
   pending->call = *std::move(call);
   pending->deadline = ToAbslTime(ctx->deadline());
   pending->is_cancelled = [ctx] { return ctx->IsCancelled(); };
-  pending->done = [this, reactor, resp, arrived, method](const absl::Status& st,
-                                                        const CallReport& report) {
+  pending->done = [this, reactor, resp, arrived, method, &pages, pinned](
+                      const absl::Status& st, const CallReport& report) {
     if (st.ok()) {
       v1::Timings* t = resp->mutable_timings();
       t->set_queue_us(Micros(report.launched - report.enqueued));
@@ -195,6 +266,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
       t->set_total_us(Micros(report.finished - arrived));
       t->set_batch_requests(report.batch_requests);
     }
+    pages.Unpin(pinned);
     Finish(reactor, method, arrived, st);
     Release();
   };
@@ -205,6 +277,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
       ctx->AddTrailingMetadata("grpc-retry-pushback-ms",
                                absl::StrCat(absl::ToInt64Milliseconds(batcher.RetryHint())));
     }
+    pages.Unpin(pinned);
     Finish(reactor, method, arrived, st);
     Release();
   }

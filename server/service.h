@@ -44,6 +44,12 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* ctx,
                                    const v1::DecodeRequest* req,
                                    v1::AttentionResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenSessionRequest* req,
+                                        v1::OpenSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) override;
 
  private:
   template <typename Request>
@@ -56,6 +62,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* ctx, const char* method,
                                       absl::Time arrived, const absl::Status& status);
   void UpdatePoolGauges(const Engine::Pool& pool);
+
+  // The session a call names, or its connection's implicit one; renews the lease.
+  absl::StatusOr<SessionId> Session(grpc::CallbackServerContext* ctx, const std::string& handle);
 
   // Counts an accepted attention call, or returns UNAVAILABLE while draining.
   absl::Status Admit();

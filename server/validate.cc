@@ -105,8 +105,7 @@ absl::StatusOr<std::vector<int32_t>> LastPageLens(absl::Span<const int32_t> give
 
 // The fields Prefill and Decode share, read from either request type.
 template <typename Request>
-absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, const PagePool& pages,
-                            AttentionCall& call) {
+absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, AttentionCall& call) {
   if (req.layer() < 0 || req.layer() >= pool.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer = ", req.layer(), " is outside [0, ",
                                                    pool.num_layers, ")"));
@@ -124,7 +123,6 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, const 
                               static_cast<int64_t>(call.kv_indices.size()), "len(kv_indices)"));
   ASSIGN_OR_RETURN(call.kv_last_page_len, LastPageLens(absl::MakeConstSpan(req.kv_last_page_len()),
                                                        call.kv_indptr, batch, pool.page_size));
-  RETURN_IF_ERROR(pages.CheckAllocated(call.kv_indices, "kv_indices"));
 
   const int64_t tq = call.total_q;
   const Dim rows{tq, "total_q"}, heads{pool.num_qo_heads, "num_qo_heads"};
@@ -176,10 +174,10 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, const 
 
   // Appended rows take the last q_len positions of each sequence, so they must fit in kv_len.
   if (call.appends()) {
+    const PagedBatch view{batch, call.total_q,
+                          call.qo_indptr.empty() ? nullptr : call.qo_indptr.data(),
+                          call.kv_indptr.data(), nullptr, call.kv_last_page_len.data(), nullptr};
     for (int b = 0; b < batch; ++b) {
-      const PagedBatch view{batch, call.total_q,
-                            call.qo_indptr.empty() ? nullptr : call.qo_indptr.data(),
-                            call.kv_indptr.data(), nullptr, call.kv_last_page_len.data(), nullptr};
       const SeqExtent e = GetSeqExtent(view, pool.page_size, b);
       if (e.q_len > e.kv_len) {
         return absl::InvalidArgumentError(
@@ -194,7 +192,7 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, const 
 }  // namespace
 
 absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,
-                                              const PoolGeometry& pool, const PagePool& pages) {
+                                              const PoolGeometry& pool) {
   AttentionCall call;
   call.op = Op::kPrefill;
   call.qo_indptr = absl::MakeConstSpan(req.qo_indptr());
@@ -210,12 +208,12 @@ absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,
                                                    " is outside [0, ", kMaxCallTokens, "]"));
   }
   RETURN_IF_ERROR(CheckIndptr(call.qo_indptr, "qo_indptr", call.total_q, "total_q"));
-  RETURN_IF_ERROR(ValidateCommon(req, pool, pages, call));
+  RETURN_IF_ERROR(ValidateCommon(req, pool, call));
   return call;
 }
 
 absl::StatusOr<AttentionCall> ValidateDecode(const v1::DecodeRequest& req,
-                                             const PoolGeometry& pool, const PagePool& pages) {
+                                             const PoolGeometry& pool) {
   AttentionCall call;
   call.op = Op::kDecode;
   const int64_t batch = static_cast<int64_t>(req.kv_indptr_size()) - 1;
@@ -226,7 +224,7 @@ absl::StatusOr<AttentionCall> ValidateDecode(const v1::DecodeRequest& req,
   }
   call.batch_size = static_cast<int>(batch);
   call.total_q = call.batch_size;
-  RETURN_IF_ERROR(ValidateCommon(req, pool, pages, call));
+  RETURN_IF_ERROR(ValidateCommon(req, pool, call));
   return call;
 }
 

@@ -95,6 +95,7 @@ def _start(binary: Path, workdir: Path) -> ServerProcess:
     command = [
         str(binary),
         "--listen_address=127.0.0.1:0",
+        "--metrics_port=0",  # off: test runs side by side would collide on the default port
         f"--config={config_path}",
         f"--backend={backend}",
     ]
@@ -158,3 +159,7 @@ def no_page_leaks(client: Client) -> Iterator[None]:
     before = free_pages(client)
     yield
     assert free_pages(client) == before, "the test leaked pages (free pages per pool)"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "flags(*flags): extra server flags for a private server")
