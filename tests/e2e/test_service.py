@@ -164,18 +164,22 @@ def test_concurrent_calls_merge_and_match_sequential_results(private) -> None:
 
 def test_full_queue_answers_resource_exhausted_with_a_retry_hint(private) -> None:
     server = private(one_pool(), "--max_queue_requests=1", "--max_queue_delay_us=400000")
-    with Client(server.address) as client:
-        pool = client.pool_info(POOL)
-        pages = client.allocate_pages(4, pool=POOL)
+    # Two connections: an explicit session lets both use the same pages.
+    with grpc.insecure_channel(server.address) as a, grpc.insecure_channel(server.address) as b:
+        stub, other = pb_grpc.AttentionServiceStub(a), pb_grpc.AttentionServiceStub(b)
+        session = stub.OpenSession(pb.OpenSessionRequest(), timeout=10).session
+        pool = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).pools[0]
+        pages = list(stub.AllocatePages(
+            pb.AllocatePagesRequest(pool=POOL, num_pages=4, session=session), timeout=10).page_ids)
         request = decode_request(pool, pages, 50, np.random.default_rng(4))
-        first = threading.Thread(target=client.call_decode, args=(request,))
+        request.session = session
+        first = threading.Thread(target=stub.Decode, args=(request,), kwargs={"timeout": 10})
         first.start()  # waits in the queue for company
         time.sleep(0.1)
-        with grpc.insecure_channel(server.address) as channel:
-            with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.AttentionServiceStub(channel).Decode(request, timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            other.Decode(request, timeout=10)
         first.join()
-        client.free_pages(pages, pool=POOL)
+        stub.CloseSession(pb.CloseSessionRequest(session=session), timeout=10)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     hint = dict(err.value.trailing_metadata() or ())
     assert int(hint["grpc-retry-pushback-ms"]) >= 1
@@ -208,7 +212,8 @@ def test_sigterm_drains_accepted_calls_and_exits_zero(private) -> None:
     stop = threading.Event()
 
     def load(seed: int) -> None:
-        with Client(server.address, timeout=30) as own:
+        # No retries: each refusal must surface as the server's own code.
+        with Client(server.address, timeout=30, retry=None) as own:
             pool = own.pool_info(POOL)
             pages = own.allocate_pages(64, pool=POOL)
             request = decode_request(pool, pages, 1000, np.random.default_rng(seed))

@@ -1,8 +1,12 @@
 """Python client of attnserve, a gRPC server that owns a paged KV cache and runs attention.
 
-- Client / AttnError: the synchronous gRPC client (client.py).
-- PageTable / BatchCsr: per-sequence page bookkeeping and CSR page tables (pages.py).
-- tensors: bf16 <-> float32 and the wire Tensor message.
+- Client / AsyncClient: the synchronous and the asyncio gRPC clients (client.py, aio.py), with
+  deadlines and retries (RetryPolicy, retry.py); requests and results are shared (calls.py).
+- AttnError and its subclasses (InvalidArgument, PoolExhausted, QueueFull, ...): errors.py.
+- PageTable / AsyncPageTable / BatchCsr: per-sequence page bookkeeping and CSR page tables.
+- Router / HashRing: keeps each sequence on the server holding its pages, over several servers.
+- tensors: bf16 <-> float32 and the wire Tensor message; torch_tensors: the same for torch
+  (optional, imported lazily).
 - reference: a numpy reference of the attention contract and the tolerance check.
 The gRPC/protobuf stubs live in attnserve.v1, generated at build time from proto/.
 """
@@ -15,16 +19,57 @@ except ModuleNotFoundError as e:  # pragma: no cover - depends on how the packag
         "or generate them with `cd client/python && python setup.py build_py --inplace`"
     ) from e
 
-from attnserve.client import AttentionResult, AttnError, Client, Timings
-from attnserve.pages import BatchCsr, PageAllocator, PageTable
+from attnserve.aio import AsyncClient
+from attnserve.calls import AttentionResult, Timings
+from attnserve.client import Client
+from attnserve.errors import (
+    AttnError,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PoolExhausted,
+    QueueFull,
+    ResourceExhausted,
+    Unavailable,
+)
+from attnserve.pages import (
+    AsyncPageAllocator,
+    AsyncPageTable,
+    BatchCsr,
+    PageAllocator,
+    PageTable,
+)
+from attnserve.retry import NO_RETRIES, RetryPolicy
+from attnserve.router import HashRing, Router, ServerBatch
 
 __all__ = [
+    "NO_RETRIES",
+    "AsyncClient",
+    "AsyncPageAllocator",
+    "AsyncPageTable",
     "AttentionResult",
     "AttnError",
     "BatchCsr",
+    "Cancelled",
     "Client",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "HashRing",
+    "Internal",
+    "InvalidArgument",
+    "NotFound",
     "PageAllocator",
     "PageTable",
+    "PoolExhausted",
+    "QueueFull",
+    "ResourceExhausted",
+    "RetryPolicy",
+    "Router",
+    "ServerBatch",
     "Timings",
+    "Unavailable",
 ]
 __version__ = "0.1.0"

@@ -1,78 +1,53 @@
-"""Synchronous client of attnserve.v1.AttentionService.
+"""Synchronous client of attnserve.v1.AttentionService (AsyncClient in aio.py is its asyncio twin).
 
-Every call carries a deadline (the client's default timeout unless one is given), and send and
-receive message limits are raised to max_message_bytes (gRPC's default of 4 MiB is too small for
-prefill batches). Server errors surface as AttnError with the gRPC status code and details.
+Every call carries a deadline (the client's default timeout unless one is given; it covers the
+retries too), send and receive message limits are raised to max_message_bytes (gRPC's default of
+4 MiB is too small for prefill batches), and failed attempts are retried as attnserve.retry
+describes. Server errors surface as AttnError subclasses (attnserve.errors).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Sequence
 
 import grpc
-import numpy as np
-import numpy.typing as npt
 
+from attnserve.calls import (
+    ALLOCATE_PAGES,
+    CLOSE_SESSION,
+    DECODE,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TIMEOUT_S,
+    FREE_PAGES,
+    OPEN_SESSION,
+    PREFILL,
+    SERVER_INFO,
+    AttentionResult,
+    Rpc,
+    T,
+    TensorLike,
+    allocate_pages_request,
+    channel_options,
+    decode_request,
+    free_pages_request,
+    open_session_request,
+    prefill_request,
+    select_pool,
+    with_session,
+)
 from attnserve.pages import BatchCsr
-from attnserve.tensors import pack_tensor, unpack_tensor
+from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
-DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-# A tensor argument: a float array (rounded to bf16), a uint16 array (raw bf16 bits) or a
-# ready-made Tensor message (sent as is, e.g. to send another dtype).
-TensorLike = npt.ArrayLike | pb.Tensor
-# An index array argument: 1-D integers (sent as int32).
-IndexLike = npt.ArrayLike
-
-
-class AttnError(Exception):
-    """A failed call: the gRPC status code and the server's message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Server-side time of one call, in microseconds (attention.proto Timings)."""
-
-    queue_us: int
-    compute_us: int
-    total_us: int
-    batch_requests: int
-
-    @classmethod
-    def from_proto(cls, t: pb.Timings) -> Timings:
-        return cls(t.queue_us, t.compute_us, t.total_us, t.batch_requests)
-
-
-@dataclass(frozen=True)
-class AttentionResult:
-    """Result of Prefill or Decode.
-
-    output: float32 [total_q, H, D] (GQA) or [total_q, H, 512] (MLA), decoded from bf16.
-    lse: float32 [total_q, H] base-2 log-sum-exp, or None when not requested.
-    """
-
-    output: np.ndarray
-    lse: np.ndarray | None
-    timings: Timings
-
-    @classmethod
-    def from_proto(cls, response: pb.AttentionResponse) -> AttentionResult:
-        lse = unpack_tensor(response.lse) if response.HasField("lse") else None
-        return cls(unpack_tensor(response.output), lse, Timings.from_proto(response.timings))
-
 
 class Client:
-    """Client of one attnserve server. Thread-safe (gRPC channels are); close() when done."""
+    """Client of one attnserve server. Thread-safe (gRPC channels are); close() when done.
+
+    timeout: default budget of a call in seconds, retries included. retry: the RetryPolicy
+    (None: never retry).
+    """
 
     def __init__(
         self,
@@ -80,21 +55,45 @@ class Client:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        session: str | None = None,
     ) -> None:
         self._address = address
+        self._session = session
         self._timeout = timeout
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-            ],
-        )
+        self._retry = retry or NO_RETRIES
+        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
 
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def session(self) -> str | None:
+        """The session handle every call names, or None (the connection's implicit session)."""
+        return self._session
+
+    def open_session(
+        self, *, lease_s: float | None = None, max_pages: int | None = None,
+        timeout: float | None = None,
+    ) -> pb.OpenSessionResponse:
+        """Opens a session and names it in every later call of this client (pass its handle,
+        .session, to Client(session=...) to share it). Its pages survive reconnects and are
+        reclaimed when no call renews it for lease_s (server default when None); max_pages is
+        its page quota (server default when None)."""
+        opened = self._invoke(OPEN_SESSION, open_session_request(lease_s, max_pages), timeout)
+        self._session = opened.session
+        return opened
+
+    def close_session(self, *, timeout: float | None = None) -> int:
+        """Closes the client's session, freeing its pages; returns how many."""
+        if not self._session:
+            raise ValueError("this client has no open session")
+        request = pb.CloseSessionRequest(session=self._session)
+        freed = self._invoke(CLOSE_SESSION, request, timeout)
+        self._session = None
+        return freed
 
     def close(self) -> None:
         self._channel.close()
@@ -107,33 +106,27 @@ class Client:
 
     def server_info(self, *, timeout: float | None = None) -> pb.GetServerInfoResponse:
         """Version, backend, device and every pool's geometry and occupancy."""
-        return self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
+        return self._invoke(SERVER_INFO, pb.GetServerInfoRequest(), timeout)
 
     def pool_info(self, pool: str = "", *, timeout: float | None = None) -> pb.PoolInfo:
         """One pool's PoolInfo; pool "" selects the only pool (ValueError if there are several)."""
-        pools = self.server_info(timeout=timeout).pools
-        if not pool:
-            if len(pools) != 1:
-                raise ValueError(f"the server has {len(pools)} pools; name one")
-            return pools[0]
-        for info in pools:
-            if info.name == pool:
-                return info
-        raise ValueError(f"no pool {pool!r}; the server has {[p.name for p in pools]}")
+        return select_pool(self.server_info(timeout=timeout).pools, pool)
 
     def allocate_pages(
         self, num_pages: int, pool: str = "", *, timeout: float | None = None
     ) -> list[int]:
-        """Allocates num_pages pages (all or nothing) and returns their ids."""
-        request = pb.AllocatePagesRequest(pool=pool, num_pages=num_pages)
-        return list(self._call(self._stub.AllocatePages, request, timeout).page_ids)
+        """Allocates num_pages pages (all or nothing) and returns their ids.
+
+        PoolExhausted when the pool has fewer free pages. Not retried on Unavailable (a lost
+        reply would leak the pages; attnserve.retry).
+        """
+        return self._invoke(ALLOCATE_PAGES, allocate_pages_request(num_pages, pool), timeout)
 
     def free_pages(
         self, page_ids: Sequence[int], pool: str = "", *, timeout: float | None = None
     ) -> int:
         """Frees the pages (all or nothing); returns the pool's free page count after the call."""
-        request = pb.FreePagesRequest(pool=pool, page_ids=_ints(page_ids, "page_ids"))
-        return self._call(self._stub.FreePages, request, timeout).free_pages
+        return self._invoke(FREE_PAGES, free_pages_request(page_ids, pool), timeout)
 
     def prefill(
         self,
@@ -155,22 +148,21 @@ class Client:
 
         GQA: q [total_q, H, D], k_new/v_new [total_q, H_kv, D]. MLA: q is q_nope
         [total_q, H, 512], q_pe [total_q, H, 64], ckv_new [total_q, 512], kpe_new [total_q, 64].
+        Tensors are numpy arrays, torch tensors or Tensor messages (TensorLike).
         table is the page table after the append; its qo_indptr splits the query rows.
         """
-        request = pb.PrefillRequest(qo_indptr=_ints(table.qo_indptr, "qo_indptr"))
-        _fill_attention_request(
-            request,
-            pool,
+        request = prefill_request(
             layer,
+            q,
             table,
-            sm_scale,
-            return_lse,
-            q=q,
+            pool=pool,
             q_pe=q_pe,
             k_new=k_new,
             v_new=v_new,
             ckv_new=ckv_new,
             kpe_new=kpe_new,
+            sm_scale=sm_scale,
+            return_lse=return_lse,
         )
         return self.call_prefill(request, timeout=timeout)
 
@@ -194,20 +186,18 @@ class Client:
 
         Arguments as in prefill(); the new K/V of a sequence is written at position kv_len - 1.
         """
-        request = pb.DecodeRequest()
-        _fill_attention_request(
-            request,
-            pool,
+        request = decode_request(
             layer,
+            q,
             table,
-            sm_scale,
-            return_lse,
-            q=q,
+            pool=pool,
             q_pe=q_pe,
             k_new=k_new,
             v_new=v_new,
             ckv_new=ckv_new,
             kpe_new=kpe_new,
+            sm_scale=sm_scale,
+            return_lse=return_lse,
         )
         return self.call_decode(request, timeout=timeout)
 
@@ -215,55 +205,24 @@ class Client:
         self, request: pb.PrefillRequest, *, timeout: float | None = None
     ) -> AttentionResult:
         """Sends a ready-made PrefillRequest as is (e.g. to test the server's validation)."""
-        return AttentionResult.from_proto(self._call(self._stub.Prefill, request, timeout))
+        return self._invoke(PREFILL, request, timeout)
 
     def call_decode(
         self, request: pb.DecodeRequest, *, timeout: float | None = None
     ) -> AttentionResult:
         """Sends a ready-made DecodeRequest as is."""
-        return AttentionResult.from_proto(self._call(self._stub.Decode, request, timeout))
+        return self._invoke(DECODE, request, timeout)
 
-    def _call(self, method: Callable[..., Any], request: object, timeout: float | None) -> Any:
-        try:
-            return method(request, timeout=self._timeout if timeout is None else timeout)
-        except grpc.RpcError as e:
-            raise AttnError(e.code(), e.details() or "") from e
-
-
-def _fill_attention_request(
-    request: pb.PrefillRequest | pb.DecodeRequest,
-    pool: str,
-    layer: int,
-    table: BatchCsr,
-    sm_scale: float | None,
-    return_lse: bool,
-    **tensors: TensorLike | None,
-) -> None:
-    """Fills the fields PrefillRequest and DecodeRequest share; tensors are named by field."""
-    request.pool = pool
-    request.layer = layer
-    request.return_lse = return_lse
-    request.kv_indptr.extend(_ints(table.kv_indptr, "kv_indptr"))
-    request.kv_indices.extend(_ints(table.kv_indices, "kv_indices"))
-    if table.kv_last_page_len is not None:
-        request.kv_last_page_len.extend(_ints(table.kv_last_page_len, "kv_last_page_len"))
-    if sm_scale is not None:
-        request.sm_scale = sm_scale
-    for name, value in tensors.items():
-        if value is not None:
-            getattr(request, name).CopyFrom(_tensor(value))
-
-
-def _tensor(value: TensorLike) -> pb.Tensor:
-    if isinstance(value, pb.Tensor):
-        return value
-    return pack_tensor(value, pb.DTYPE_BF16)
-
-
-def _ints(values: IndexLike, name: str) -> list[int]:
-    a = np.asarray(values)
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if a.size and a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got {a.dtype}")
-    return a.tolist()
+    def _invoke(self, rpc: Rpc[T], request: object, timeout: float | None) -> T:
+        """Runs rpc with retries (attnserve.retry) within one deadline; decodes the response."""
+        budget = self._timeout if timeout is None else timeout
+        attempts = Attempts(self._retry, rpc.name, rpc.idempotent, budget)
+        method = getattr(self._stub, rpc.name)
+        request = with_session(request, self._session)
+        while True:
+            try:
+                response = method(request, timeout=attempts.remaining())
+            except grpc.RpcError as e:
+                time.sleep(attempts.wait_after(e))
+                continue
+            return rpc.decode(response)

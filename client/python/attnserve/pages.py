@@ -1,12 +1,14 @@
 """Client-side page tables for schedulers.
 
 A PageTable tracks, per sequence, the pages it owns (in token order) and its length in tokens,
-allocates pages from the server as sequences grow, and builds the CSR arrays that Prefill and
-Decode take (attention.proto: qo_indptr, kv_indptr, kv_indices, kv_last_page_len).
+allocates pages from the server as sequences grow, builds the CSR arrays that Prefill and Decode
+take (attention.proto: qo_indptr, kv_indptr, kv_indices, kv_last_page_len) and frees a finished
+sequence's pages. AsyncPageTable does the same through an AsyncClient.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -20,6 +22,14 @@ class PageAllocator(Protocol):
     def allocate_pages(self, num_pages: int, pool: str = "") -> list[int]: ...
 
     def free_pages(self, page_ids: Sequence[int], pool: str = "") -> int: ...
+
+
+class AsyncPageAllocator(Protocol):
+    """What an AsyncPageTable needs from the server; attnserve.AsyncClient satisfies it."""
+
+    async def allocate_pages(self, num_pages: int, pool: str = "") -> list[int]: ...
+
+    async def free_pages(self, page_ids: Sequence[int], pool: str = "") -> int: ...
 
 
 class BatchCsr(NamedTuple):
@@ -67,17 +77,13 @@ class _Sequence:
     length: int = 0
 
 
-class PageTable:
-    """Per-sequence page lists and lengths over one pool.
+class _PageBook:
+    """The bookkeeping PageTable and AsyncPageTable share: per-sequence pages and lengths, and
+    the CSR arrays of a batch. It never calls the server."""
 
-    Not thread-safe. State changes only after the server call it depends on succeeded, so an
-    exception (e.g. attnserve.AttnError with RESOURCE_EXHAUSTED) leaves the table as it was.
-    """
-
-    def __init__(self, allocator: PageAllocator, pool: str, page_size: int) -> None:
+    def __init__(self, pool: str, page_size: int) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self._allocator = allocator
         self._pool = pool
         self._page_size = page_size
         self._seqs: dict[Hashable, _Sequence] = {}
@@ -109,21 +115,12 @@ class PageTable:
         """Pages held by all sequences together."""
         return sum(len(s.pages) for s in self._seqs.values())
 
-    def reserve(self, seq_id: Hashable, num_new_tokens: int) -> list[int]:
-        """Grows the sequence (created if new) by num_new_tokens tokens.
-
-        Allocates the missing pages in one AllocatePages call and returns the new page ids. The
-        tokens count as present from now on: csr() describes the table after their append.
-        """
+    def pages_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """Pages to allocate before the sequence (new or not) can grow by num_new_tokens."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         seq = self._seqs.get(seq_id, _Sequence())
-        missing = pages_for(seq.length + num_new_tokens, self._page_size) - len(seq.pages)
-        new_pages = self._allocate(missing) if missing > 0 else []
-        seq.pages.extend(new_pages)
-        seq.length += num_new_tokens
-        self._seqs[seq_id] = seq
-        return new_pages
+        return max(0, pages_for(seq.length + num_new_tokens, self._page_size) - len(seq.pages))
 
     def csr(self, seq_ids: Sequence[Hashable], q_lens: Sequence[int] | None = None) -> BatchCsr:
         """The batch's CSR arrays, sequences in the order given.
@@ -144,11 +141,50 @@ class PageTable:
             kv_last_page_len=np.asarray([self._last_page_len(s) for s in seqs], dtype=np.int32),
         )
 
+    def _grow(self, seq_id: Hashable, num_new_tokens: int, new_pages: Sequence[int]) -> list[int]:
+        """Records num_new_tokens more tokens held in the sequence's pages plus new_pages (which
+        must be exactly the pages_needed); returns new_pages as a list."""
+        expected = self.pages_needed(seq_id, num_new_tokens)
+        pages = list(new_pages)
+        if len(pages) != expected:
+            raise RuntimeError(f"asked for {expected} pages, the allocator returned {len(pages)}")
+        seq = self._seqs.setdefault(seq_id, _Sequence())
+        seq.pages.extend(pages)
+        seq.length += num_new_tokens
+        return pages
+
+    def _last_page_len(self, seq: _Sequence) -> int:
+        if not seq.pages:
+            return 0
+        return seq.length - (len(seq.pages) - 1) * self._page_size
+
+
+class PageTable(_PageBook):
+    """Per-sequence page lists and lengths over one pool, allocating through a sync client.
+
+    Not thread-safe. State changes only after the server call it depends on succeeded, so an
+    exception (e.g. attnserve.PoolExhausted) leaves the table as it was.
+    """
+
+    def __init__(self, allocator: PageAllocator, pool: str, page_size: int) -> None:
+        super().__init__(pool, page_size)
+        self._allocator = allocator
+
+    def reserve(self, seq_id: Hashable, num_new_tokens: int) -> list[int]:
+        """Grows the sequence (created if new) by num_new_tokens tokens.
+
+        Allocates the missing pages in one AllocatePages call and returns the new page ids. The
+        tokens count as present from now on: csr() describes the table after their append.
+        """
+        missing = self.pages_needed(seq_id, num_new_tokens)
+        new_pages = self._allocator.allocate_pages(missing, pool=self._pool) if missing else []
+        return self._grow(seq_id, num_new_tokens, new_pages)
+
     def free(self, seq_id: Hashable) -> None:
         """Returns the sequence's pages to the pool and forgets the sequence."""
-        seq = self._seqs[seq_id]
-        if seq.pages:
-            self._allocator.free_pages(seq.pages, pool=self._pool)
+        pages = self._seqs[seq_id].pages
+        if pages:
+            self._allocator.free_pages(pages, pool=self._pool)
         del self._seqs[seq_id]
 
     def free_all(self) -> None:
@@ -156,16 +192,40 @@ class PageTable:
         for seq_id in self.seq_ids:
             self.free(seq_id)
 
-    def _allocate(self, num_pages: int) -> list[int]:
-        pages = list(self._allocator.allocate_pages(num_pages, pool=self._pool))
-        if len(pages) != num_pages:
-            raise RuntimeError(f"asked for {num_pages} pages, the allocator returned {len(pages)}")
-        return pages
 
-    def _last_page_len(self, seq: _Sequence) -> int:
-        if not seq.pages:
-            return 0
-        return seq.length - (len(seq.pages) - 1) * self._page_size
+class AsyncPageTable(_PageBook):
+    """PageTable for asyncio schedulers, allocating through an AsyncClient.
+
+    Its reserve / free / free_all are coroutines, serialized by a lock so that tasks sharing the
+    table never allocate twice for the same pages. Same guarantees as PageTable otherwise.
+    """
+
+    def __init__(self, allocator: AsyncPageAllocator, pool: str, page_size: int) -> None:
+        super().__init__(pool, page_size)
+        self._allocator = allocator
+        self._lock = asyncio.Lock()
+
+    async def reserve(self, seq_id: Hashable, num_new_tokens: int) -> list[int]:
+        """Grows the sequence (created if new) by num_new_tokens tokens (see PageTable)."""
+        async with self._lock:
+            missing = self.pages_needed(seq_id, num_new_tokens)
+            new_pages = (
+                await self._allocator.allocate_pages(missing, pool=self._pool) if missing else []
+            )
+            return self._grow(seq_id, num_new_tokens, new_pages)
+
+    async def free(self, seq_id: Hashable) -> None:
+        """Returns the sequence's pages to the pool and forgets the sequence."""
+        async with self._lock:
+            pages = self._seqs[seq_id].pages
+            if pages:
+                await self._allocator.free_pages(pages, pool=self._pool)
+            del self._seqs[seq_id]
+
+    async def free_all(self) -> None:
+        """Frees every sequence."""
+        for seq_id in self.seq_ids:
+            await self.free(seq_id)
 
 
 def _indptr(counts: Sequence[int]) -> np.ndarray:

@@ -72,6 +72,16 @@ def pack_tensor(array: npt.ArrayLike, dtype: int = pb.DTYPE_BF16) -> pb.Tensor:
 
 def unpack_tensor(tensor: pb.Tensor) -> np.ndarray:
     """Decodes a Tensor message into a float32 numpy array of its shape."""
+    values = wire_array(tensor)
+    if tensor.dtype == pb.DTYPE_BF16:
+        return bf16_to_float(values)
+    return values.astype(np.float32, copy=False)
+
+
+def wire_array(tensor: pb.Tensor) -> np.ndarray:
+    """A Tensor message's elements as stored, in a new native-order array of its shape:
+    uint16 bf16 bit patterns, float16 or float32. Nothing is converted, so bf16 stays exact
+    (attnserve.torch_tensors reinterprets these bits as a torch.bfloat16 tensor)."""
     wire = _wire_dtype(tensor.dtype)
     shape = tuple(tensor.shape)
     expected = math.prod(shape) * wire.itemsize
@@ -80,10 +90,7 @@ def unpack_tensor(tensor: pb.Tensor) -> np.ndarray:
             f"tensor data has {len(tensor.data)} bytes, shape {list(shape)} of "
             f"{pb.DType.Name(tensor.dtype)} needs {expected}"
         )
-    raw = np.frombuffer(tensor.data, dtype=wire).reshape(shape)
-    if tensor.dtype == pb.DTYPE_BF16:
-        return bf16_to_float(raw.astype(np.uint16))
-    return raw.astype(np.float32)
+    return np.frombuffer(tensor.data, dtype=wire).reshape(shape).astype(wire.newbyteorder("="))
 
 
 def _wire_dtype(dtype: int) -> np.dtype:

@@ -4,15 +4,23 @@ It keeps page ownership and a CacheMirror per pool and answers Prefill/Decode wi
 reference, so the client, the page-table helper and the example scheduler can be exercised over
 real gRPC without the C++ server. It validates only what those tests need (pool names, page
 ownership); the real server's validation is covered by tests/e2e.
+
+fail_next() scripts failures for the retry tests: a queue-full refusal carries the same
+`grpc-retry-pushback-ms` trailer as attnserve's, and a failure "after" the call ran stands for a
+reply lost in flight.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from attnserve.errors import RETRY_PUSHBACK_KEY
 from attnserve.pages import BatchCsr
 from attnserve.reference import CacheMirror, gqa_reference, mla_reference
 from attnserve.tensors import pack_tensor, unpack_tensor
@@ -27,13 +35,60 @@ class _Pool:
         self.mirror = CacheMirror.for_pool(info)
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A scripted failure of one call: its status, the pushback trailer (ms) to send, and
+    whether the call runs first (a reply lost after the server did the work)."""
+
+    code: grpc.StatusCode
+    pushback_ms: int | None = None
+    after: bool = False
+
+
 class FakeAttentionService(pb_grpc.AttentionServiceServicer):
-    """AttentionService over the numpy reference."""
+    """AttentionService over the numpy reference, with scripted failures (fail_next)."""
 
     def __init__(self, pools: list[pb.PoolInfo]) -> None:
         self._pools = {p.name: _Pool(p) for p in pools}
+        self._failures: dict[str, list[Failure]] = {}
+        self._lock = threading.Lock()
+        self.calls: Counter[str] = Counter()  # calls received per method, failed ones included
+
+    def fail_next(self, method: str, failure: Failure, times: int = 1) -> None:
+        """The next `times` calls of method (e.g. "Prefill") fail as failure says."""
+        with self._lock:
+            self._failures.setdefault(method, []).extend([failure] * times)
 
     def GetServerInfo(self, request, context):  # noqa: N802 - gRPC method name
+        return self._serve("GetServerInfo", self._server_info, request, context)
+
+    def AllocatePages(self, request, context):  # noqa: N802
+        return self._serve("AllocatePages", self._allocate, request, context)
+
+    def FreePages(self, request, context):  # noqa: N802
+        return self._serve("FreePages", self._free, request, context)
+
+    def Prefill(self, request, context):  # noqa: N802
+        return self._serve("Prefill", self._prefill, request, context)
+
+    def Decode(self, request, context):  # noqa: N802
+        return self._serve("Decode", self._decode, request, context)
+
+    def _serve(self, method: str, handler, request, context):
+        """Counts the call and runs handler, failing before or after it when scripted."""
+        with self._lock:
+            self.calls[method] += 1
+            pending = self._failures.get(method)
+            failure = pending.pop(0) if pending else None
+        if failure is None:
+            return handler(request, context)
+        if failure.after:
+            handler(request, context)
+        if failure.pushback_ms is not None:
+            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(failure.pushback_ms)),))
+        context.abort(failure.code, f"scripted {failure.code.name}")
+
+    def _server_info(self, request, context) -> pb.GetServerInfoResponse:
         pools = []
         for pool in self._pools.values():
             info = pb.PoolInfo()
@@ -44,7 +99,7 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
             version="fake", backend="numpy", device="test", pools=pools, max_message_bytes=1 << 28
         )
 
-    def AllocatePages(self, request, context):  # noqa: N802
+    def _allocate(self, request, context) -> pb.AllocatePagesResponse:
         pool = self._pool(request.pool, context)
         if request.num_pages > len(pool.free):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(pool.free)} pages free")
@@ -52,7 +107,7 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
         pool.free.difference_update(ids)
         return pb.AllocatePagesResponse(page_ids=ids)
 
-    def FreePages(self, request, context):  # noqa: N802
+    def _free(self, request, context) -> pb.FreePagesResponse:
         pool = self._pool(request.pool, context)
         ids = set(request.page_ids)
         if ids & pool.free:
@@ -60,10 +115,10 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
         pool.free.update(ids)
         return pb.FreePagesResponse(free_pages=len(pool.free))
 
-    def Prefill(self, request, context):  # noqa: N802
+    def _prefill(self, request, context) -> pb.AttentionResponse:
         return self._attend(request, np.asarray(request.qo_indptr, dtype=np.int32), context)
 
-    def Decode(self, request, context):  # noqa: N802
+    def _decode(self, request, context) -> pb.AttentionResponse:
         batch = len(request.kv_indptr) - 1
         return self._attend(request, np.arange(batch + 1, dtype=np.int32), context)
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from concurrent import futures
-
 import grpc
 import numpy as np
 import pytest
@@ -14,7 +10,6 @@ from attnserve import AttnError, BatchCsr, Client, PageTable
 from attnserve.reference import EMPTY_ROW_LSE, CacheMirror, check_close, gqa_reference
 from attnserve.tensors import bf16_round, bf16_to_float, pack_tensor
 from attnserve.v1 import attention_pb2 as pb
-from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
 
 def test_server_info_and_pool_lookup(client: Client) -> None:
@@ -100,31 +95,6 @@ def test_index_arrays_must_be_integer_vectors(client: Client) -> None:
         client.free_pages(np.array([1.0]), pool="gqa")
     with pytest.raises(ValueError, match="1-D"):
         client.free_pages(np.zeros((1, 1), np.int32), pool="gqa")
-
-
-class EchoService(pb_grpc.AttentionServiceServicer):
-    """Prefill answers with q as the output; GetServerInfo takes 0.3 s."""
-
-    def GetServerInfo(self, request, context):  # noqa: N802 - gRPC method name
-        time.sleep(0.3)
-        return pb.GetServerInfoResponse(version="slow")
-
-    def Prefill(self, request, context):  # noqa: N802 - gRPC method name
-        return pb.AttentionResponse(output=request.q)
-
-
-@pytest.fixture
-def echo_address() -> Iterator[str]:
-    limit = [
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-    ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=limit)
-    pb_grpc.add_AttentionServiceServicer_to_server(EchoService(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(grace=None)
 
 
 def test_large_messages_pass_both_ways(echo_address: str) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
-from attnserve.pages import BatchCsr, PageTable, pages_for
+from attnserve.pages import AsyncPageTable, BatchCsr, PageTable, pages_for
 
 
 class FakeAllocator:
@@ -124,3 +125,59 @@ def test_rejects_bad_arguments() -> None:
         PageTable(FakeAllocator(1), "p", page_size=0)
     with pytest.raises(ValueError):
         PageTable(FakeAllocator(1), "p", page_size=1).reserve("a", -1)
+
+
+class FakeAsyncAllocator:
+    """FakeAllocator behind coroutines that yield to the event loop before answering."""
+
+    def __init__(self, total: int) -> None:
+        self.sync = FakeAllocator(total)
+
+    async def allocate_pages(self, num_pages: int, pool: str = "") -> list[int]:
+        await asyncio.sleep(0)
+        return self.sync.allocate_pages(num_pages, pool)
+
+    async def free_pages(self, page_ids: Sequence[int], pool: str = "") -> int:
+        await asyncio.sleep(0)
+        return self.sync.free_pages(page_ids, pool)
+
+
+def test_async_table_matches_the_sync_one() -> None:
+    async def main() -> None:
+        alloc = FakeAsyncAllocator(10)
+        table = AsyncPageTable(alloc, "p", page_size=4)
+        assert await table.reserve("a", 5) == [9, 8]
+        assert await table.reserve("a", 3) == []
+        await table.reserve("b", 1)
+        np.testing.assert_array_equal(table.csr(["b", "a"]).kv_last_page_len, [1, 4])
+        await table.free("a")
+        assert "a" not in table and alloc.sync.calls[-1] == ("free", [9, 8], "p")
+        with pytest.raises(RuntimeError):
+            await table.reserve("b", 100)
+        assert table.length("b") == 1
+        await table.free_all()
+        assert sorted(alloc.sync.free) == list(range(10))
+
+    asyncio.run(main())
+
+
+def test_async_table_serializes_concurrent_growth() -> None:
+    """Two tasks growing one sequence at once allocate each page once."""
+
+    async def main() -> None:
+        alloc = FakeAsyncAllocator(10)
+        table = AsyncPageTable(alloc, "p", page_size=4)
+        await asyncio.gather(table.reserve("a", 2), table.reserve("a", 2), table.reserve("a", 2))
+        assert table.length("a") == 6 and len(table.pages("a")) == 2
+        assert len(alloc.sync.free) == 8
+
+    asyncio.run(main())
+
+
+def test_pages_needed() -> None:
+    table = PageTable(FakeAllocator(4), "p", page_size=4)
+    assert table.pages_needed("new", 0) == 0 and table.pages_needed("new", 5) == 2
+    table.reserve("a", 3)
+    assert table.pages_needed("a", 1) == 0 and table.pages_needed("a", 2) == 1
+    with pytest.raises(ValueError):
+        table.pages_needed("a", -1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -11,6 +14,7 @@ from attnserve.tensors import (
     float_to_bf16,
     pack_tensor,
     unpack_tensor,
+    wire_array,
 )
 from attnserve.v1 import attention_pb2 as pb
 
@@ -105,3 +109,32 @@ def test_scalar_and_empty_tensors() -> None:
     assert unpack_tensor(pack_tensor(np.float32(2.0))).shape == ()
     empty = pack_tensor(np.zeros((0, 4), np.float32))
     assert unpack_tensor(empty).shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "numpy_dtype"),
+    [(pb.DTYPE_BF16, np.uint16), (pb.DTYPE_FP16, np.float16), (pb.DTYPE_FP32, np.float32)],
+)
+def test_wire_array_gives_the_elements_as_stored(dtype: int, numpy_dtype: type) -> None:
+    x = bf16_round(np.random.default_rng(2).standard_normal((2, 3)).astype(np.float32))
+    raw = wire_array(pack_tensor(x, dtype))
+    assert raw.dtype == numpy_dtype and raw.shape == (2, 3) and raw.flags.writeable
+    expected = float_to_bf16(x) if dtype == pb.DTYPE_BF16 else x.astype(numpy_dtype)
+    np.testing.assert_array_equal(raw, expected)
+
+
+def test_bf16_storage_seen_as_int16_round_trips_bit_exactly() -> None:
+    """What the torch helpers do: a bf16 tensor's storage viewed as int16 (torch has no uint16
+    views) is sent as its bits, and a bf16 response comes back as int16 storage."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    storage = bits.view(np.int16)  # torch: tensor.view(torch.int16).numpy()
+    message = pack_tensor(storage.view(np.uint16))
+    assert message.data == bits.astype("<u2").tobytes()
+    np.testing.assert_array_equal(wire_array(message).view(np.int16), storage)
+    x = np.random.default_rng(3).standard_normal(100).astype(np.float32)
+    assert pack_tensor(float_to_bf16(x).view(np.int16).view(np.uint16)).data == pack_tensor(x).data
+
+
+def test_importing_attnserve_does_not_import_torch() -> None:
+    code = "import sys, attnserve; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
