@@ -1,13 +1,16 @@
 #include "server/backend_factory.h"
 
 #include "server/cpu_backend.h"
+#include "server/fault_injection.h"
 #if ATTN_HAVE_CUDA
 #include "server/cuda_backend.h"
 #endif
 
 namespace attn {
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+namespace {
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateDeviceBackend(
     const ServerOptions& options, std::function<void(const absl::Status&)> on_fatal_error) {
 #if ATTN_HAVE_CUDA
   if (options.backend == "cuda" || (options.backend == "auto" && CudaDeviceCount() > 0)) {
@@ -23,6 +26,17 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
   }
 #endif
   return CreateCpuBackend(options.cpu_threads);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(
+    const ServerOptions& options, std::function<void(const absl::Status&)> on_fatal_error) {
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateDeviceBackend(options, on_fatal_error);
+  if (!backend.ok() || options.inject_fault.empty()) return backend;
+  absl::StatusOr<FaultPlan> plan = ParseFaultPlan(options.inject_fault);
+  if (!plan.ok()) return plan.status();
+  return InjectFaults(*std::move(backend), *plan, std::move(on_fatal_error));
 }
 
 }  // namespace attn

@@ -86,6 +86,19 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   s.sessions.default_lease = absl::Seconds(lease_s);
   s.sessions.max_lease = std::max(absl::Hours(1), s.sessions.default_lease);
   s.sessions.default_max_pages = o.session_max_pages.value_or(c.session_max_pages());
+  s.tls = c.tls();
+  if (o.tls_cert_file) s.tls.set_cert_file(*o.tls_cert_file);
+  if (o.tls_key_file) s.tls.set_key_file(*o.tls_key_file);
+  if (o.tls_client_ca_file) s.tls.set_client_ca_file(*o.tls_client_ca_file);
+  s.access_tokens.assign(c.access_tokens().begin(), c.access_tokens().end());
+  s.health_port = o.health_port.value_or(c.health_port());
+  if (s.tls.cert_file().empty() != s.tls.key_file().empty()) {
+    return absl::InvalidArgumentError("tls: set both cert_file and key_file, or neither");
+  }
+  if (!s.tls.client_ca_file().empty() && s.tls.cert_file().empty()) {
+    return absl::InvalidArgumentError("tls: client_ca_file needs cert_file and key_file");
+  }
+  RETURN_IF_ERROR(CheckRange("health_port", s.health_port, 0, 65535));
   const v1::BatchingConfig& b = c.batching();
   s.batching.max_queue_delay =
       absl::Microseconds(o.max_queue_delay_us.value_or(b.max_queue_delay_us()));

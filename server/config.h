@@ -30,6 +30,10 @@ struct ServerOptions {
   int drain_timeout_seconds = 0;  // SIGTERM: how long accepted calls may take to finish
   BatchingOptions batching;
   SessionOptions sessions;
+  std::string inject_fault;  // testing hook (server/fault_injection.h); empty: none
+  v1::TlsConfig tls;         // empty cert_file: plaintext
+  std::vector<v1::AccessToken> access_tokens;  // empty: no authorization
+  int health_port = 0;       // plaintext health-only port; 0: none
   std::vector<PoolGeometry> pools;
 };
 
@@ -48,6 +52,10 @@ struct ConfigOverrides {
   std::optional<int> drain_timeout_seconds;
   std::optional<int> session_lease_seconds;
   std::optional<int> session_max_pages;
+  std::optional<std::string> tls_cert_file;
+  std::optional<std::string> tls_key_file;
+  std::optional<std::string> tls_client_ca_file;
+  std::optional<int> health_port;
 };
 
 // The embedded default: 127.0.0.1:50051 (metrics on port 9464), backend auto, one GQA pool

@@ -5,6 +5,8 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
@@ -21,6 +23,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/auth.h"
 #include "server/backend_factory.h"
 #include "server/config.h"
 #include "server/engine.h"
@@ -45,6 +48,15 @@ ABSL_FLAG(int, drain_timeout_seconds, -1,
 ABSL_FLAG(int, session_lease_seconds, -1,
           "Lease of implicit sessions and of sessions opened without one (default 300)");
 ABSL_FLAG(int, session_max_pages, -1, "Page quota of sessions opened without one (default none)");
+ABSL_FLAG(std::string, tls_cert_file, "", "Server certificate chain (PEM): the gRPC port speaks TLS");
+ABSL_FLAG(std::string, tls_key_file, "", "Private key of --tls_cert_file (PEM)");
+ABSL_FLAG(std::string, tls_client_ca_file, "",
+          "CA certificates (PEM) for mutual TLS: clients must present a certificate they signed");
+ABSL_FLAG(int, health_port, -1,
+          "Plaintext port serving only grpc.health.v1 (for probes when TLS or tokens are on)");
+ABSL_FLAG(std::string, inject_fault, "",
+          "Testing hook: make a launch fail as a device can (sticky:N or alloc:N; see "
+          "server/fault_injection.h)");
 ABSL_FLAG(bool, cuda_single_stream, false,
           "Run prefill and decode on one CUDA stream (for comparisons; default: a stream each)");
 
@@ -79,8 +91,14 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.drain_timeout_seconds = Given(FLAGS_drain_timeout_seconds);
   o.session_lease_seconds = Given(FLAGS_session_lease_seconds);
   o.session_max_pages = Given(FLAGS_session_max_pages);
+  o.tls_cert_file = Given(FLAGS_tls_cert_file);
+  o.tls_key_file = Given(FLAGS_tls_key_file);
+  o.tls_client_ca_file = Given(FLAGS_tls_client_ca_file);
+  o.health_port = Given(FLAGS_health_port);
   if (absl::GetFlag(FLAGS_cuda_single_stream)) o.cuda_single_stream = true;
-  return ResolveConfig(file ? &*file : nullptr, o);
+  absl::StatusOr<ServerOptions> options = ResolveConfig(file ? &*file : nullptr, o);
+  if (options.ok()) options->inject_fault = absl::GetFlag(FLAGS_inject_fault);
+  return options;
 }
 
 // Why and how the process ends: a shutdown signal (exit 0) or a fatal device error (exit 1).
@@ -108,6 +126,29 @@ class ShutdownRequest {
   std::string reason_ ABSL_GUARDED_BY(mu_);
 };
 
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Plaintext, TLS, or mutual TLS (options.tls).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::TlsConfig& tls) {
+  if (tls.cert_file().empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl(
+      tls.client_ca_file().empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                   : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ASSIGN_OR_RETURN(std::string cert, ReadFile(tls.cert_file()));
+  ASSIGN_OR_RETURN(std::string key, ReadFile(tls.key_file()));
+  ssl.pem_key_cert_pairs.push_back({key, cert});
+  if (!tls.client_ca_file().empty()) {
+    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(tls.client_ca_file()));
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
 // The host part of a host:port listen address ("[::]" stays bracketed).
 std::string ListenHost(const std::string& listen) { return listen.substr(0, listen.rfind(':')); }
 
@@ -118,10 +159,9 @@ int Run() {
     return 2;
   }
   ShutdownRequest shutdown;
-  grpc::Server* serving = nullptr;  // set once the server runs; read by the fatal-error handler
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       CreateBackend(*options, [&](const absl::Status& error) {
-        if (serving != nullptr) serving->GetHealthCheckService()->SetServingStatus(false);
+        // The main thread turns health NOT_SERVING as soon as it wakes.
         shutdown.Request(1, absl::StrCat("fatal device error: ", error.ToString()));
       });
   if (!backend.ok()) {
@@ -148,12 +188,18 @@ int Run() {
     std::cerr << "attnserve: metrics on " << host << ":" << *port << "/metrics\n";
   }
 
-  AttentionServiceImpl service(engine->get(), &metrics, options->max_message_bytes);
+  absl::StatusOr<Authorizer> auth = Authorizer::Create(options->access_tokens);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(options->tls);
+  if (!auth.ok() || !credentials.ok()) {
+    std::cerr << "attnserve: " << (auth.ok() ? credentials.status() : auth.status()) << "\n";
+    return 2;
+  }
+  AttentionServiceImpl service(engine->get(), &metrics, &*auth, options->max_message_bytes);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options->listen_address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(options->listen_address, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options->max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options->max_message_bytes));
   builder.RegisterService(&service);
@@ -162,11 +208,30 @@ int Run() {
     std::cerr << "attnserve: cannot listen on " << options->listen_address << "\n";
     return 1;
   }
+  // Kubernetes probes cannot present client certificates or tokens: a plaintext port that
+  // serves only grpc.health.v1, following the main server's status.
+  std::unique_ptr<grpc::Server> health_server;
+  if (options->health_port > 0) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(absl::StrCat(host, ":", options->health_port),
+                                    grpc::InsecureServerCredentials());
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr) {
+      std::cerr << "attnserve: cannot serve health on port " << options->health_port << "\n";
+      return 1;
+    }
+  }
+  auto set_health = [&](bool serving) {
+    server->GetHealthCheckService()->SetServingStatus(serving);
+    if (health_server) health_server->GetHealthCheckService()->SetServingStatus(serving);
+  };
   std::cerr << "attnserve " << kVersion << ": backend " << (*engine)->backend().name() << " ("
-            << (*engine)->backend().device() << "), " << options->pools.size() << " pool(s)\n";
+            << (*engine)->backend().device() << "), " << options->pools.size() << " pool(s)"
+            << (options->tls.cert_file().empty() ? "" : ", TLS")
+            << (options->tls.client_ca_file().empty() ? "" : " with client certificates")
+            << (auth->enabled() ? ", bearer tokens" : "") << "\n";
   std::cout << "attnserve listening on " << host << ":" << port << std::endl;
 
-  serving = server.get();
 
   // Signals were blocked before any thread started; this thread takes them. The first asks for a
   // graceful drain, a second one ends the process at once.
@@ -183,7 +248,7 @@ int Run() {
     std::_Exit(1);
   }).detach();
   const int exit_code = shutdown.Wait();
-  server->GetHealthCheckService()->SetServingStatus(false);
+  set_health(false);
   if (exit_code == 0) {
     // Drain: refuse new work, let accepted calls finish (up to the deadline).
     service.StartDrain();
@@ -196,6 +261,7 @@ int Run() {
     absl::SleepFor(absl::Milliseconds(250));
   }
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (health_server) health_server->Shutdown();
   engine->reset();
   return exit_code;
 }

@@ -28,8 +28,8 @@ constexpr char kCloseSession[] = "CloseSession";
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(Engine* engine, Metrics* metrics,
-                                           int64_t max_message_bytes)
-    : engine_(engine), metrics_(metrics), max_message_bytes_(max_message_bytes) {
+                                           const Authorizer* auth, int64_t max_message_bytes)
+    : engine_(engine), metrics_(metrics), auth_(auth), max_message_bytes_(max_message_bytes) {
   for (const auto& pool : engine_->pools()) {
     metrics_->AddPool(pool->geometry.name, pool->pages.total_pages());
   }
@@ -63,6 +63,17 @@ bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
       deadline);
 }
 
+absl::Status AttentionServiceImpl::Begin(grpc::CallbackServerContext* ctx, const char* method) {
+  metrics_->OnRpcStarted();
+  if (!auth_->enabled()) return absl::OkStatus();
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find("authorization");
+  const absl::string_view token =
+      it == metadata.end() ? absl::string_view() : absl::string_view(it->second.data(),
+                                                                     it->second.size());
+  return auth_->Check(token, method);
+}
+
 absl::StatusOr<SessionId> AttentionServiceImpl::Session(grpc::CallbackServerContext* ctx,
                                                         const std::string& handle) {
   return engine_->sessions().Resolve(handle, ctx->peer(), absl::Now());
@@ -88,7 +99,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServ
                                                               const v1::GetServerInfoRequest* req,
                                                               v1::GetServerInfoResponse* resp) {
   const absl::Time arrived = absl::Now();
-  metrics_->OnRpcStarted();
+  if (absl::Status st = Begin(ctx, kGetServerInfo); !st.ok()) {
+    return FinishNow(ctx, kGetServerInfo, arrived, st);
+  }
   if (!req->session().empty()) {
     if (absl::StatusOr<SessionId> id = Session(ctx, req->session()); !id.ok()) {
       return FinishNow(ctx, kGetServerInfo, arrived, id.status());
@@ -113,7 +126,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServ
                                                               const v1::AllocatePagesRequest* req,
                                                               v1::AllocatePagesResponse* resp) {
   const absl::Time arrived = absl::Now();
-  metrics_->OnRpcStarted();
+  if (absl::Status st = Begin(ctx, kAllocatePages); !st.ok()) {
+    return FinishNow(ctx, kAllocatePages, arrived, st);
+  }
   {
     absl::MutexLock lock(&mu_);
     if (draining_) {
@@ -149,7 +164,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerCo
                                                           const v1::FreePagesRequest* req,
                                                           v1::FreePagesResponse* resp) {
   const absl::Time arrived = absl::Now();
-  metrics_->OnRpcStarted();
+  if (absl::Status st = Begin(ctx, kFreePages); !st.ok()) {
+    return FinishNow(ctx, kFreePages, arrived, st);
+  }
   absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req->pool());
   if (!pool.ok()) return FinishNow(ctx, kFreePages, arrived, pool.status());
   absl::StatusOr<SessionId> owner = Session(ctx, req->session());
@@ -179,7 +196,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServer
                                                             const v1::OpenSessionRequest* req,
                                                             v1::OpenSessionResponse* resp) {
   const absl::Time arrived = absl::Now();
-  metrics_->OnRpcStarted();
+  if (absl::Status st = Begin(ctx, kOpenSession); !st.ok()) {
+    return FinishNow(ctx, kOpenSession, arrived, st);
+  }
   if (req->lease_ms() < 0 || req->max_pages() < 0) {
     return FinishNow(ctx, kOpenSession, arrived,
                      absl::InvalidArgumentError(absl::StrCat(
@@ -199,7 +218,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
                                                              const v1::CloseSessionRequest* req,
                                                              v1::CloseSessionResponse* resp) {
   const absl::Time arrived = absl::Now();
-  metrics_->OnRpcStarted();
+  if (absl::Status st = Begin(ctx, kCloseSession); !st.ok()) {
+    return FinishNow(ctx, kCloseSession, arrived, st);
+  }
   absl::StatusOr<int> freed = engine_->CloseSession(req->session());
   if (!freed.ok()) return FinishNow(ctx, kCloseSession, arrived, freed.status());
   resp->set_freed_pages(*freed);
@@ -214,7 +235,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
                                                           v1::AttentionResponse* resp) {
   const absl::Time arrived = absl::Now();
   const char* method = op == Op::kPrefill ? kPrefill : kDecode;
-  metrics_->OnRpcStarted();
+  if (absl::Status st = Begin(ctx, method); !st.ok()) return FinishNow(ctx, method, arrived, st);
   absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
   if (!pool.ok()) return FinishNow(ctx, method, arrived, pool.status());
   const PoolGeometry& g = (*pool)->geometry;

@@ -8,6 +8,7 @@
 #include "absl/time/time.h"
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/auth.h"
 #include "server/engine.h"
 #include "server/metrics.h"
 
@@ -19,8 +20,9 @@ inline constexpr char kVersion[] = "0.1.0";
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  // `engine` and `metrics` must outlive the service.
-  AttentionServiceImpl(Engine* engine, Metrics* metrics, int64_t max_message_bytes);
+  // `engine`, `metrics` and `auth` must outlive the service.
+  AttentionServiceImpl(Engine* engine, Metrics* metrics, const Authorizer* auth,
+                       int64_t max_message_bytes);
 
   // Graceful drain: from now on Prefill, Decode and AllocatePages answer UNAVAILABLE (FreePages
   // and GetServerInfo keep working so clients can give their pages back); calls already accepted
@@ -63,6 +65,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                       absl::Time arrived, const absl::Status& status);
   void UpdatePoolGauges(const Engine::Pool& pool);
 
+  // Starts a call: counts it in flight and checks its token may call `method`.
+  absl::Status Begin(grpc::CallbackServerContext* ctx, const char* method);
+
   // The session a call names, or its connection's implicit one; renews the lease.
   absl::StatusOr<SessionId> Session(grpc::CallbackServerContext* ctx, const std::string& handle);
 
@@ -72,6 +77,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
   Engine* const engine_;
   Metrics* const metrics_;
+  const Authorizer* const auth_;
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int active_calls_ ABSL_GUARDED_BY(mu_) = 0;  // accepted Prefill/Decode not yet finished

@@ -30,9 +30,11 @@ from attnserve.errors import (
     Internal,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     PoolExhausted,
     QueueFull,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from attnserve.pages import (
@@ -63,6 +65,7 @@ __all__ = [
     "NotFound",
     "PageAllocator",
     "PageTable",
+    "PermissionDenied",
     "PoolExhausted",
     "QueueFull",
     "ResourceExhausted",
@@ -70,6 +73,7 @@ __all__ = [
     "Router",
     "ServerBatch",
     "Timings",
+    "Unauthenticated",
     "Unavailable",
 ]
 __version__ = "0.1.0"

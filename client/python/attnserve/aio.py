@@ -54,13 +54,20 @@ class AsyncClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         session: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
         self._address = address
         self._session = session
+        # A bearer token goes with every call (servers configured with access_tokens need one).
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout
         self._retry = retry or NO_RETRIES
-        self._channel = grpc.aio.insecure_channel(
-            address, options=channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes)
+        self._channel = (
+            grpc.aio.secure_channel(address, credentials, options=options)
+            if credentials
+            else grpc.aio.insecure_channel(address, options=options)
         )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
 
@@ -207,7 +214,9 @@ class AsyncClient:
         request = with_session(request, self._session)
         while True:
             try:
-                response = await method(request, timeout=attempts.remaining())
+                response = await method(
+                    request, timeout=attempts.remaining(), metadata=self._metadata
+                )
             except grpc.RpcError as e:
                 await asyncio.sleep(attempts.wait_after(e))
                 continue

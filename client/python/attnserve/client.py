@@ -46,7 +46,10 @@ class Client:
     """Client of one attnserve server. Thread-safe (gRPC channels are); close() when done.
 
     timeout: default budget of a call in seconds, retries included. retry: the RetryPolicy
-    (None: never retry).
+    (None: never retry). session: a session handle every call names (open_session() sets one).
+    credentials: grpc channel credentials for TLS (e.g. grpc.ssl_channel_credentials(root_ca,
+    client_key, client_cert) for mutual TLS); None: plaintext. token: a bearer token sent with
+    every call.
     """
 
     def __init__(
@@ -57,12 +60,21 @@ class Client:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         session: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
         self._address = address
         self._session = session
+        # A bearer token goes with every call (servers configured with access_tokens need one).
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout
         self._retry = retry or NO_RETRIES
-        self._channel = grpc.insecure_channel(address, options=channel_options(max_message_bytes))
+        options = channel_options(max_message_bytes)
+        self._channel = (
+            grpc.secure_channel(address, credentials, options=options)
+            if credentials
+            else grpc.insecure_channel(address, options=options)
+        )
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
 
     @property
@@ -221,7 +233,9 @@ class Client:
         request = with_session(request, self._session)
         while True:
             try:
-                response = method(request, timeout=attempts.remaining())
+                response = method(
+                    request, timeout=attempts.remaining(), metadata=self._metadata
+                )
             except grpc.RpcError as e:
                 time.sleep(attempts.wait_after(e))
                 continue

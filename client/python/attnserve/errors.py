@@ -6,8 +6,9 @@ Every failed call raises an AttnError subclass chosen by the gRPC status code, s
 | class                 | code                | what it means on attnserve                        |
 |-----------------------|---------------------|---------------------------------------------------|
 | InvalidArgument       | INVALID_ARGUMENT    | bad input; the message names the field and limit   |
-| NotFound              | NOT_FOUND           | unknown pool                                       |
-| FailedPrecondition    | FAILED_PRECONDITION | a page id that is not allocated                    |
+| NotFound              | NOT_FOUND           | unknown pool; a closed or expired session          |
+| FailedPrecondition    | FAILED_PRECONDITION | a page id not allocated to the caller's session;   |
+|                       |                     | a session handle from before a server restart      |
 | PoolExhausted         | RESOURCE_EXHAUSTED  | AllocatePages: too few free pages, none allocated  |
 | QueueFull             | RESOURCE_EXHAUSTED  | the request queue is full (retry-pushback trailer) |
 | ResourceExhausted     | RESOURCE_EXHAUSTED  | base of the two above; also a message over a limit |
@@ -15,6 +16,8 @@ Every failed call raises an AttnError subclass chosen by the gRPC status code, s
 | DeadlineExceeded      | DEADLINE_EXCEEDED   | the call's deadline passed                         |
 | Cancelled             | CANCELLED           | the call was cancelled                             |
 | Internal              | INTERNAL            | a backend (CUDA) failure                           |
+| Unauthenticated       | UNAUTHENTICATED     | no or unknown bearer token                         |
+| PermissionDenied      | PERMISSION_DENIED   | the token may not call this method                 |
 
 Other codes raise AttnError itself.
 """
@@ -92,6 +95,14 @@ class Internal(AttnError):
     """A backend failure (CUDA); the server exits and should be restarted."""
 
 
+class Unauthenticated(AttnError):
+    """The server needs a bearer token (Client(token=...)) and got none or an unknown one."""
+
+
+class PermissionDenied(AttnError):
+    """The token may not call this method (e.g. a read-only token)."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[AttnError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -101,6 +112,8 @@ _BY_CODE: dict[grpc.StatusCode, type[AttnError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
