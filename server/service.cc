@@ -1,9 +1,12 @@
 #include "server/service.h"
 
 #include <memory>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/proto_buffer_writer.h"
 #include "server/grpc_status.h"
 #include "server/validate.h"
 
@@ -27,6 +30,44 @@ constexpr char kCloseSession[] = "CloseSession";
 
 }  // namespace
 
+// The reactor of one call. It owns the parsed request and the response; Complete() records the
+// call's metrics, serializes the response into the raw reply when the call succeeded, and
+// finishes it. gRPC deletes it (OnDone) once the reply is sent.
+template <typename Request, typename Response>
+class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
+ public:
+  Call(Metrics* metrics, const char* method, grpc::CallbackServerContext* ctx,
+       grpc::ByteBuffer* reply)
+      : ctx(ctx), method(method), metrics_(metrics), reply_(reply) {}
+
+  void Complete(const absl::Status& status) {
+    metrics_->OnRpc(method, status, absl::Now() - arrived);
+    metrics_->OnRpcFinished();
+    if (status.ok()) {
+      bool own_buffer = false;
+      const grpc::Status wrote =
+          grpc::SerializationTraits<Response>::Serialize(response, reply_, &own_buffer);
+      if (!wrote.ok()) {
+        Finish(wrote);
+        return;
+      }
+    }
+    Finish(ToGrpcStatus(status));
+  }
+
+  void OnDone() override { delete this; }
+
+  grpc::CallbackServerContext* const ctx;
+  const char* const method;
+  const absl::Time arrived = absl::Now();
+  Request request;
+  Response response;
+
+ private:
+  Metrics* const metrics_;
+  grpc::ByteBuffer* const reply_;
+};
+
 AttentionServiceImpl::AttentionServiceImpl(Engine* engine, Metrics* metrics,
                                            const Authorizer* auth, int64_t max_message_bytes)
     : engine_(engine), metrics_(metrics), auth_(auth), max_message_bytes_(max_message_bytes) {
@@ -35,19 +76,68 @@ AttentionServiceImpl::AttentionServiceImpl(Engine* engine, Metrics* metrics,
   }
 }
 
-void AttentionServiceImpl::Finish(grpc::ServerUnaryReactor* reactor, const char* method,
-                                  absl::Time arrived, const absl::Status& status) {
-  metrics_->OnRpc(method, status, absl::Now() - arrived);
-  metrics_->OnRpcFinished();
-  reactor->Finish(ToGrpcStatus(status));
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
+                                                      grpc::CallbackServerContext* ctx,
+                                                      const grpc::ByteBuffer* in,
+                                                      grpc::ByteBuffer* out,
+                                                      Handler<Request, Response> handle) {
+  auto* call = new Call<Request, Response>(metrics_, method, ctx, out);
+  metrics_->OnRpcStarted();
+  grpc::ByteBuffer bytes(*in);  // parsing consumes the buffer; this copy shares its slices
+  if (!grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request).ok()) {
+    call->Complete(absl::InvalidArgumentError(absl::StrCat(
+        "the request is not a valid ", Request::descriptor()->full_name(), " (", in->Length(),
+        " bytes): truncated or corrupt protobuf")));
+  } else if (absl::Status st = Authorize(ctx, method); !st.ok()) {
+    call->Complete(st);
+  } else {
+    (this->*handle)(*call);
+  }
+  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::FinishNow(grpc::CallbackServerContext* ctx,
-                                                          const char* method, absl::Time arrived,
-                                                          const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  Finish(reactor, method, arrived, status);
-  return reactor;
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                              const grpc::ByteBuffer* in,
+                                                              grpc::ByteBuffer* out) {
+  return Serve(kGetServerInfo, ctx, in, out, &AttentionServiceImpl::HandleGetServerInfo);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServerContext* ctx,
+                                                              const grpc::ByteBuffer* in,
+                                                              grpc::ByteBuffer* out) {
+  return Serve(kAllocatePages, ctx, in, out, &AttentionServiceImpl::HandleAllocatePages);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* in,
+                                                          grpc::ByteBuffer* out) {
+  return Serve(kFreePages, ctx, in, out, &AttentionServiceImpl::HandleFreePages);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerContext* ctx,
+                                                        const grpc::ByteBuffer* in,
+                                                        grpc::ByteBuffer* out) {
+  return Serve(kPrefill, ctx, in, out,
+               &AttentionServiceImpl::HandleAttention<v1::PrefillRequest>);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Decode(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* in,
+                                                       grpc::ByteBuffer* out) {
+  return Serve(kDecode, ctx, in, out, &AttentionServiceImpl::HandleAttention<v1::DecodeRequest>);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* in,
+                                                            grpc::ByteBuffer* out) {
+  return Serve(kOpenSession, ctx, in, out, &AttentionServiceImpl::HandleOpenSession);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
+                                                             const grpc::ByteBuffer* in,
+                                                             grpc::ByteBuffer* out) {
+  return Serve(kCloseSession, ctx, in, out, &AttentionServiceImpl::HandleCloseSession);
 }
 
 void AttentionServiceImpl::StartDrain() {
@@ -58,25 +148,12 @@ void AttentionServiceImpl::StartDrain() {
 bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   return mu_.AwaitWithDeadline(
-      absl::Condition(
-          +[](int* active) { return *active == 0; }, &active_calls_),
-      deadline);
+      absl::Condition(+[](int* active) { return *active == 0; }, &active_calls_), deadline);
 }
 
-absl::Status AttentionServiceImpl::Begin(grpc::CallbackServerContext* ctx, const char* method) {
-  metrics_->OnRpcStarted();
-  if (!auth_->enabled()) return absl::OkStatus();
-  const auto& metadata = ctx->client_metadata();
-  auto it = metadata.find("authorization");
-  const absl::string_view token =
-      it == metadata.end() ? absl::string_view() : absl::string_view(it->second.data(),
-                                                                     it->second.size());
-  return auth_->Check(token, method);
-}
-
-absl::StatusOr<SessionId> AttentionServiceImpl::Session(grpc::CallbackServerContext* ctx,
-                                                        const std::string& handle) {
-  return engine_->sessions().Resolve(handle, ctx->peer(), absl::Now());
+bool AttentionServiceImpl::draining() {
+  absl::MutexLock lock(&mu_);
+  return draining_;
 }
 
 absl::Status AttentionServiceImpl::Admit() {
@@ -91,204 +168,178 @@ void AttentionServiceImpl::Release() {
   --active_calls_;
 }
 
+absl::Status AttentionServiceImpl::Authorize(grpc::CallbackServerContext* ctx,
+                                             const char* method) const {
+  if (!auth_->enabled()) return absl::OkStatus();
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find("authorization");
+  const absl::string_view token =
+      it == metadata.end() ? absl::string_view()
+                           : absl::string_view(it->second.data(), it->second.size());
+  return auth_->Check(token, method);
+}
+
+absl::StatusOr<SessionId> AttentionServiceImpl::Session(grpc::CallbackServerContext* ctx,
+                                                        const std::string& handle) {
+  return engine_->sessions().Resolve(handle, ctx->peer(), absl::Now());
+}
+
 void AttentionServiceImpl::UpdatePoolGauges(const Engine::Pool& pool) {
   metrics_->SetPoolPages(pool.geometry.name, pool.pages.free_pages(), pool.pages.total_pages());
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
-                                                              const v1::GetServerInfoRequest* req,
-                                                              v1::GetServerInfoResponse* resp) {
-  const absl::Time arrived = absl::Now();
-  if (absl::Status st = Begin(ctx, kGetServerInfo); !st.ok()) {
-    return FinishNow(ctx, kGetServerInfo, arrived, st);
-  }
-  if (!req->session().empty()) {
-    if (absl::StatusOr<SessionId> id = Session(ctx, req->session()); !id.ok()) {
-      return FinishNow(ctx, kGetServerInfo, arrived, id.status());
+void AttentionServiceImpl::HandleGetServerInfo(
+    Call<v1::GetServerInfoRequest, v1::GetServerInfoResponse>& call) {
+  if (!call.request.session().empty()) {
+    if (absl::StatusOr<SessionId> id = Session(call.ctx, call.request.session()); !id.ok()) {
+      return call.Complete(id.status());
     }
   }
-  resp->set_version(kVersion);
-  resp->set_epoch(engine_->sessions().epoch());
-  resp->set_default_lease_ms(
+  v1::GetServerInfoResponse& resp = call.response;
+  resp.set_version(kVersion);
+  resp.set_epoch(engine_->sessions().epoch());
+  resp.set_default_lease_ms(
       static_cast<int32_t>(absl::ToInt64Milliseconds(engine_->sessions().default_lease())));
-  resp->set_backend(engine_->backend().name());
-  resp->set_device(engine_->backend().device());
-  resp->set_max_message_bytes(max_message_bytes_);
+  resp.set_backend(engine_->backend().name());
+  resp.set_device(engine_->backend().device());
+  resp.set_max_message_bytes(max_message_bytes_);
   for (const auto& pool : engine_->pools()) {
-    v1::PoolInfo* info = resp->add_pools();
+    v1::PoolInfo* info = resp.add_pools();
     *info = ToPoolInfo(pool->geometry);
     info->set_free_pages(pool->pages.free_pages());
   }
-  return FinishNow(ctx, kGetServerInfo, arrived, absl::OkStatus());
+  call.Complete(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServerContext* ctx,
-                                                              const v1::AllocatePagesRequest* req,
-                                                              v1::AllocatePagesResponse* resp) {
-  const absl::Time arrived = absl::Now();
-  if (absl::Status st = Begin(ctx, kAllocatePages); !st.ok()) {
-    return FinishNow(ctx, kAllocatePages, arrived, st);
+void AttentionServiceImpl::HandleAllocatePages(
+    Call<v1::AllocatePagesRequest, v1::AllocatePagesResponse>& call) {
+  const v1::AllocatePagesRequest& req = call.request;
+  if (draining()) {
+    return call.Complete(absl::UnavailableError("the server is draining; allocate elsewhere"));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    if (draining_) {
-      return FinishNow(ctx, kAllocatePages, arrived,
-                       absl::UnavailableError("the server is draining; allocate elsewhere"));
-    }
-  }
-  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req->pool());
-  if (!pool.ok()) return FinishNow(ctx, kAllocatePages, arrived, pool.status());
-  absl::StatusOr<SessionId> owner = Session(ctx, req->session());
-  if (!owner.ok()) return FinishNow(ctx, kAllocatePages, arrived, owner.status());
+  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
+  if (!pool.ok()) return call.Complete(pool.status());
+  absl::StatusOr<SessionId> owner = Session(call.ctx, req.session());
+  if (!owner.ok()) return call.Complete(owner.status());
   // The quota first (other sessions' pages are never touched), then the pool.
   SessionTable& sessions = engine_->sessions();
   absl::StatusOr<std::vector<int32_t>> ids = absl::UnknownError("unset");
-  if (absl::Status quota = sessions.Charge(*owner, req->num_pages()); !quota.ok()) {
+  if (absl::Status quota = sessions.Charge(*owner, req.num_pages()); !quota.ok()) {
     ids = quota;
   } else {
-    ids = (*pool)->pages.Allocate(req->num_pages(), *owner);
-    if (!ids.ok()) sessions.Refund(*owner, req->num_pages());
+    ids = (*pool)->pages.Allocate(req.num_pages(), *owner);
+    if (!ids.ok()) sessions.Refund(*owner, req.num_pages());
   }
   if (!ids.ok()) {
     if (absl::IsResourceExhausted(ids.status())) {
       metrics_->OnAllocationFailure((*pool)->geometry.name);
     }
-    return FinishNow(ctx, kAllocatePages, arrived, ids.status());
+    return call.Complete(ids.status());
   }
-  resp->mutable_page_ids()->Assign(ids->begin(), ids->end());
+  call.response.mutable_page_ids()->Assign(ids->begin(), ids->end());
   UpdatePoolGauges(**pool);
-  return FinishNow(ctx, kAllocatePages, arrived, absl::OkStatus());
+  call.Complete(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerContext* ctx,
-                                                          const v1::FreePagesRequest* req,
-                                                          v1::FreePagesResponse* resp) {
-  const absl::Time arrived = absl::Now();
-  if (absl::Status st = Begin(ctx, kFreePages); !st.ok()) {
-    return FinishNow(ctx, kFreePages, arrived, st);
+void AttentionServiceImpl::HandleFreePages(
+    Call<v1::FreePagesRequest, v1::FreePagesResponse>& call) {
+  const v1::FreePagesRequest& req = call.request;
+  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
+  if (!pool.ok()) return call.Complete(pool.status());
+  absl::StatusOr<SessionId> owner = Session(call.ctx, req.session());
+  if (!owner.ok()) return call.Complete(owner.status());
+  if (absl::Status st = (*pool)->pages.Free(req.page_ids(), *owner); !st.ok()) {
+    return call.Complete(st);
   }
-  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req->pool());
-  if (!pool.ok()) return FinishNow(ctx, kFreePages, arrived, pool.status());
-  absl::StatusOr<SessionId> owner = Session(ctx, req->session());
-  if (!owner.ok()) return FinishNow(ctx, kFreePages, arrived, owner.status());
-  if (absl::Status st = (*pool)->pages.Free(req->page_ids(), *owner); !st.ok()) {
-    return FinishNow(ctx, kFreePages, arrived, st);
-  }
-  engine_->sessions().Refund(*owner, req->page_ids_size());
-  resp->set_free_pages((*pool)->pages.free_pages());
+  engine_->sessions().Refund(*owner, req.page_ids_size());
+  call.response.set_free_pages((*pool)->pages.free_pages());
   UpdatePoolGauges(**pool);
-  return FinishNow(ctx, kFreePages, arrived, absl::OkStatus());
+  call.Complete(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerContext* ctx,
-                                                        const v1::PrefillRequest* req,
-                                                        v1::AttentionResponse* resp) {
-  return Attention(Op::kPrefill, ctx, *req, resp);
-}
-
-grpc::ServerUnaryReactor* AttentionServiceImpl::Decode(grpc::CallbackServerContext* ctx,
-                                                       const v1::DecodeRequest* req,
-                                                       v1::AttentionResponse* resp) {
-  return Attention(Op::kDecode, ctx, *req, resp);
-}
-
-grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(grpc::CallbackServerContext* ctx,
-                                                            const v1::OpenSessionRequest* req,
-                                                            v1::OpenSessionResponse* resp) {
-  const absl::Time arrived = absl::Now();
-  if (absl::Status st = Begin(ctx, kOpenSession); !st.ok()) {
-    return FinishNow(ctx, kOpenSession, arrived, st);
-  }
-  if (req->lease_ms() < 0 || req->max_pages() < 0) {
-    return FinishNow(ctx, kOpenSession, arrived,
-                     absl::InvalidArgumentError(absl::StrCat(
-                         "lease_ms = ", req->lease_ms(), " and max_pages = ", req->max_pages(),
-                         " must not be negative (0 takes the server's default)")));
+void AttentionServiceImpl::HandleOpenSession(
+    Call<v1::OpenSessionRequest, v1::OpenSessionResponse>& call) {
+  const v1::OpenSessionRequest& req = call.request;
+  if (req.lease_ms() < 0 || req.max_pages() < 0) {
+    return call.Complete(absl::InvalidArgumentError(
+        absl::StrCat("lease_ms = ", req.lease_ms(), " and max_pages = ", req.max_pages(),
+                     " must not be negative (0 takes the server's default)")));
   }
   const OpenedSession s =
-      engine_->sessions().Open(absl::Milliseconds(req->lease_ms()), req->max_pages(), arrived);
-  resp->set_session(s.handle);
-  resp->set_epoch(engine_->sessions().epoch());
-  resp->set_lease_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(s.lease)));
-  resp->set_max_pages(s.max_pages);
-  return FinishNow(ctx, kOpenSession, arrived, absl::OkStatus());
+      engine_->sessions().Open(absl::Milliseconds(req.lease_ms()), req.max_pages(), call.arrived);
+  call.response.set_session(s.handle);
+  call.response.set_epoch(engine_->sessions().epoch());
+  call.response.set_lease_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(s.lease)));
+  call.response.set_max_pages(s.max_pages);
+  call.Complete(absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServerContext* ctx,
-                                                             const v1::CloseSessionRequest* req,
-                                                             v1::CloseSessionResponse* resp) {
-  const absl::Time arrived = absl::Now();
-  if (absl::Status st = Begin(ctx, kCloseSession); !st.ok()) {
-    return FinishNow(ctx, kCloseSession, arrived, st);
-  }
-  absl::StatusOr<int> freed = engine_->CloseSession(req->session());
-  if (!freed.ok()) return FinishNow(ctx, kCloseSession, arrived, freed.status());
-  resp->set_freed_pages(*freed);
+void AttentionServiceImpl::HandleCloseSession(
+    Call<v1::CloseSessionRequest, v1::CloseSessionResponse>& call) {
+  absl::StatusOr<int> freed = engine_->CloseSession(call.request.session());
+  if (!freed.ok()) return call.Complete(freed.status());
+  call.response.set_freed_pages(*freed);
   for (const auto& pool : engine_->pools()) UpdatePoolGauges(*pool);
-  return FinishNow(ctx, kCloseSession, arrived, absl::OkStatus());
+  call.Complete(absl::OkStatus());
 }
 
 template <typename Request>
-grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
-                                                          grpc::CallbackServerContext* ctx,
-                                                          const Request& req,
-                                                          v1::AttentionResponse* resp) {
-  const absl::Time arrived = absl::Now();
-  const char* method = op == Op::kPrefill ? kPrefill : kDecode;
-  if (absl::Status st = Begin(ctx, method); !st.ok()) return FinishNow(ctx, method, arrived, st);
+void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>& call) {
+  const Request& req = call.request;
+  const Op op = std::is_same_v<Request, v1::PrefillRequest> ? Op::kPrefill : Op::kDecode;
   absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
-  if (!pool.ok()) return FinishNow(ctx, method, arrived, pool.status());
+  if (!pool.ok()) return call.Complete(pool.status());
   const PoolGeometry& g = (*pool)->geometry;
 
-  absl::StatusOr<AttentionCall> call;
+  absl::StatusOr<AttentionCall> attention;
   if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
-    call = ValidatePrefill(req, g);
+    attention = ValidatePrefill(req, g);
   } else {
-    call = ValidateDecode(req, g);
+    attention = ValidateDecode(req, g);
   }
-  if (!call.ok()) return FinishNow(ctx, method, arrived, call.status());
-  absl::StatusOr<SessionId> owner = Session(ctx, req.session());
-  if (!owner.ok()) return FinishNow(ctx, method, arrived, owner.status());
+  if (!attention.ok()) return call.Complete(attention.status());
+  absl::StatusOr<SessionId> owner = Session(call.ctx, req.session());
+  if (!owner.ok()) return call.Complete(owner.status());
 
   const int out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
-  v1::Tensor* out = resp->mutable_output();
+  v1::Tensor* out = call.response.mutable_output();
   out->set_dtype(v1::DTYPE_BF16);
-  out->add_shape(call->total_q);
+  out->add_shape(attention->total_q);
   out->add_shape(g.num_qo_heads);
   out->add_shape(out_dim);
-  call->out = out->mutable_data();
-  if (call->return_lse) {
-    v1::Tensor* lse = resp->mutable_lse();
+  attention->out = out->mutable_data();
+  if (attention->return_lse) {
+    v1::Tensor* lse = call.response.mutable_lse();
     lse->set_dtype(v1::DTYPE_FP32);
-    lse->add_shape(call->total_q);
+    lse->add_shape(attention->total_q);
     lse->add_shape(g.num_qo_heads);
-    call->lse = lse->mutable_data();
+    attention->lse = lse->mutable_data();
   }
 
-  if (absl::Status st = Admit(); !st.ok()) return FinishNow(ctx, method, arrived, st);
+  if (absl::Status st = Admit(); !st.ok()) return call.Complete(st);
   // Pinned pages cannot be freed or reclaimed until the call finishes.
   PagePool& pages = (*pool)->pages;
-  const absl::Span<const int32_t> pinned = call->kv_indices;
+  const absl::Span<const int32_t> pinned = attention->kv_indices;
   if (absl::Status st = pages.Pin(pinned, *owner, "kv_indices"); !st.ok()) {
     Release();
-    return FinishNow(ctx, method, arrived, st);
+    return call.Complete(st);
   }
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  grpc::CallbackServerContext* ctx = call.ctx;
   auto pending = std::make_unique<PendingCall>();
-  pending->call = *std::move(call);
+  pending->call = *std::move(attention);
   pending->deadline = ToAbslTime(ctx->deadline());
   pending->is_cancelled = [ctx] { return ctx->IsCancelled(); };
-  pending->done = [this, reactor, resp, arrived, method, &pages, pinned](
-                      const absl::Status& st, const CallReport& report) {
+  pending->done = [this, &call, &pages, pinned](const absl::Status& st,
+                                                const CallReport& report) {
     if (st.ok()) {
-      v1::Timings* t = resp->mutable_timings();
+      v1::Timings* t = call.response.mutable_timings();
       t->set_queue_us(Micros(report.launched - report.enqueued));
       t->set_compute_us(Micros(report.compute));
-      t->set_total_us(Micros(report.finished - arrived));
+      t->set_total_us(Micros(report.finished - call.arrived));
       t->set_batch_requests(report.batch_requests);
     }
     pages.Unpin(pinned);
-    Finish(reactor, method, arrived, st);
+    call.Complete(st);
     Release();
   };
   Batcher& batcher = (*pool)->batcher(op);
@@ -299,10 +350,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attention(Op op,
                                absl::StrCat(absl::ToInt64Milliseconds(batcher.RetryHint())));
     }
     pages.Unpin(pinned);
-    Finish(reactor, method, arrived, st);
+    call.Complete(st);
     Release();
   }
-  return reactor;
 }
 
 }  // namespace attn
