@@ -7,7 +7,6 @@ device-to-device copy), timed like kernel_bench: L2 flushed before every run, CU
 
 import argparse
 import json
-import math
 import statistics
 
 import torch
@@ -29,8 +28,9 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
 
 
 def time_us(fn, runs=30):
-    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8,
-                        device="cuda")
+    flush = torch.empty(
+        2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda"
+    )
     for _ in range(3):
         fn()
     times = []
@@ -58,21 +58,28 @@ def gqa_anchor(backend, hq, hkv, d, batch, q_len, kv_len):
     return time_us(run)
 
 
+def gemm_ceiling(n: int = 8192) -> float:
+    """bf16 matrix product rate through cuBLAS on random data, TFLOP/s."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / (time_us(lambda: a @ b, runs=10) * 1e-6) / 1e12
+
+
+def copy_ceiling(size: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read plus written, TB/s."""
+    src = torch.empty(size, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * size / (time_us(lambda: dst.copy_(src), runs=10) * 1e-6) / 1e12
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    gemm_tflops = 2 * n**3 / (time_us(lambda: a @ b, runs=10) * 1e-6) / 1e12
-    del a, b
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").fill_(1)
-    dst = torch.empty_like(src)
-    copy_tbps = 2 * src.numel() / (time_us(lambda: dst.copy_(src), runs=10) * 1e-6) / 1e12
-    del src, dst
+    gemm_tflops, copy_tbps = gemm_ceiling(), copy_ceiling()
+    torch.cuda.empty_cache()
     print(f"cuBLAS bf16 GEMM {gemm_tflops:.0f} TFLOP/s, copy {copy_tbps:.2f} TB/s")
 
     results = {"gemm_tflops": gemm_tflops, "copy_tbps": copy_tbps, "shapes": {}}

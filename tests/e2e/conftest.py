@@ -161,5 +161,31 @@ def no_page_leaks(client: Client) -> Iterator[None]:
     assert free_pages(client) == before, "the test leaked pages (free pages per pool)"
 
 
+@pytest.fixture
+def private(tmp_path: Path) -> Iterator:
+    """start(config, *flags) launches a private server (launcher.launch) for the test; every
+    server it started is killed at the end if still running."""
+    from launcher import Launched, launch
+
+    started: list[Launched] = []
+
+    def start(config: config_pb.ServerConfig, *flags: str) -> Launched:
+        started.append(launch(tmp_path, config, *flags))
+        return started[-1]
+
+    yield start
+    for s in started:
+        if s.process.poll() is None:
+            s.process.kill()
+            s.process.wait()
+
+
+@pytest.fixture
+def own(private, request: pytest.FixtureRequest):
+    """A private server of the test module's config(), with @pytest.mark.flags(...) flags."""
+    marker = request.node.get_closest_marker("flags")
+    return private(request.module.config(), *(marker.args if marker else ()))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "flags(*flags): extra server flags for a private server")

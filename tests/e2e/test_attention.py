@@ -8,10 +8,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from workload import PoolSession
 
 from attnserve import BatchCsr, Client
 from attnserve.reference import EMPTY_ROW_LSE
+
+from workload import PoolSession
 
 POOL_NAMES = ["gqa", "gqa_g5", "mla"]
 

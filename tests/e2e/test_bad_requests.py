@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import pytest
-from workload import MLA_SM_SCALE, PoolSession
 
 from attnserve import AttnError, Client
 from attnserve.tensors import pack_tensor, unpack_tensor
 from attnserve.v1 import attention_pb2 as pb
+
+from workload import MLA_SM_SCALE, PoolSession
 
 Code = grpc.StatusCode
 INVALID = {Code.INVALID_ARGUMENT}

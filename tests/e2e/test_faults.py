@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,12 +15,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from launcher import Launched, launch, sample
 
 from attnserve.tensors import float_to_bf16, pack_tensor
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import server_config_pb2 as config_pb
+
+from launcher import Launched, launch, sample
 
 POOL = "p"
 PAGES = 512
@@ -35,17 +35,6 @@ def config() -> config_pb.ServerConfig:
     return c
 
 
-@pytest.fixture
-def own(tmp_path: Path, request):
-    """A private server; flags from @pytest.mark.flags(...)."""
-    marker = request.node.get_closest_marker("flags")
-    launched = launch(tmp_path, config(), *(marker.args if marker else ()))
-    yield launched
-    if launched.process.poll() is None:
-        launched.process.kill()
-        launched.process.wait()
-
-
 def stub(server: Launched, **options: int) -> pb_grpc.AttentionServiceStub:
     """A stub on a connection of its own."""
     opts = [("grpc.use_local_subchannel_pool", 1), *options.items()]
@@ -53,7 +42,9 @@ def stub(server: Launched, **options: int) -> pb_grpc.AttentionServiceStub:
 
 
 def allocate(s, n: int) -> list[int]:
-    return list(s.AllocatePages(pb.AllocatePagesRequest(pool=POOL, num_pages=n), timeout=10).page_ids)
+    return list(
+        s.AllocatePages(pb.AllocatePagesRequest(pool=POOL, num_pages=n), timeout=10).page_ids
+    )
 
 
 def decode(pages: list[int], sequences: int = 1) -> pb.DecodeRequest:
@@ -162,8 +153,10 @@ print("allocated", flush=True)
 while True:
     s.Decode(t.decode(pages, sequences=16), timeout=30)
 """
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env
+    )
     assert child.stdout.readline().strip() == "allocated"
     time.sleep(0.3)  # mid-call
     child.send_signal(signal.SIGKILL)
@@ -178,8 +171,9 @@ while True:
 @pytest.mark.flags("--session_lease_seconds=1")
 def test_thousands_of_connections_opened_and_dropped(own) -> None:
     def churn(i: int) -> None:
-        with grpc.insecure_channel(own.address,
-                                   options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        with grpc.insecure_channel(
+            own.address, options=[("grpc.use_local_subchannel_pool", 1)]
+        ) as channel:
             s = pb_grpc.AttentionServiceStub(channel)
             if i % 4 == 0:
                 allocate(s, 1)  # its implicit session dies with the connection

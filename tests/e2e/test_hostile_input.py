@@ -5,17 +5,17 @@ error, the server keeps serving, and the pool is unchanged."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from launcher import Launched, launch
 
 from attnserve.tensors import float_to_bf16, pack_tensor
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import server_config_pb2 as config_pb
+
+from launcher import Launched, launch
 
 POOL = "p"
 INT32_MAX = 2**31 - 1
@@ -42,8 +42,11 @@ def setup(hostile: Launched):
     theirs = s.OpenSession(pb.OpenSessionRequest(), timeout=10).session
     my_pages = list(s.AllocatePages(pb.AllocatePagesRequest(pool=POOL, num_pages=2, session=mine),
                                     timeout=10).page_ids)  # fmt: skip
-    their_pages = list(s.AllocatePages(
-        pb.AllocatePagesRequest(pool=POOL, num_pages=2, session=theirs), timeout=10).page_ids)
+    their_pages = list(
+        s.AllocatePages(
+            pb.AllocatePagesRequest(pool=POOL, num_pages=2, session=theirs), timeout=10
+        ).page_ids
+    )
     return channel, s, mine, my_pages, their_pages
 
 
@@ -68,48 +71,71 @@ def mutated(session: str, pages: list[int], edit) -> pb.PrefillRequest:
 CASES = {
     "truncated_request": (
         lambda me, mine, theirs: prefill(me, mine).SerializeToString()[:37],
-        {Code.INVALID_ARGUMENT}),
+        {Code.INVALID_ARGUMENT},
+    ),
     "random_bytes": (lambda me, mine, theirs: b"\xff" + os.urandom(511), {Code.INVALID_ARGUMENT}),
     "length_prefix_past_the_end": (
         lambda me, mine, theirs: b"\x1a\xff\xff\xff\x7f" + b"\x00" * 16,
-        {Code.INVALID_ARGUMENT}),
+        {Code.INVALID_ARGUMENT},
+    ),
     "q_shape_product_overflows": (
-        lambda me, mine, theirs: mutated(me, mine, lambda r: (r.q.ClearField("shape"),
-                                                              r.q.shape.extend([2**62, 4, 64])))
-        .SerializeToString(), {Code.INVALID_ARGUMENT}),
+        lambda me, mine, theirs: mutated(
+            me, mine, lambda r: (r.q.ClearField("shape"), r.q.shape.extend([2**62, 4, 64]))
+        ).SerializeToString(),
+        {Code.INVALID_ARGUMENT},
+    ),
     "q_shape_negative": (
-        lambda me, mine, theirs: mutated(me, mine, lambda r: (r.q.ClearField("shape"),
-                                                              r.q.shape.extend([-3, 4, 64])))
-        .SerializeToString(), {Code.INVALID_ARGUMENT}),
+        lambda me, mine, theirs: mutated(
+            me, mine, lambda r: (r.q.ClearField("shape"), r.q.shape.extend([-3, 4, 64]))
+        ).SerializeToString(),
+        {Code.INVALID_ARGUMENT},
+    ),
     "total_q_int32_max": (
-        lambda me, mine, theirs: mutated(me, mine, lambda r: r.qo_indptr.__setitem__(1, INT32_MAX))
-        .SerializeToString(), {Code.INVALID_ARGUMENT}),
+        lambda me, mine, theirs: mutated(
+            me, mine, lambda r: r.qo_indptr.__setitem__(1, INT32_MAX)
+        ).SerializeToString(),
+        {Code.INVALID_ARGUMENT},
+    ),
     "kv_indptr_int32_max": (
-        lambda me, mine, theirs: mutated(me, mine, lambda r: r.kv_indptr.__setitem__(1, INT32_MAX))
-        .SerializeToString(), {Code.INVALID_ARGUMENT}),
+        lambda me, mine, theirs: mutated(
+            me, mine, lambda r: r.kv_indptr.__setitem__(1, INT32_MAX)
+        ).SerializeToString(),
+        {Code.INVALID_ARGUMENT},
+    ),
     "kv_last_page_len_negative": (
-        lambda me, mine, theirs: mutated(me, mine,
-                                         lambda r: r.kv_last_page_len.__setitem__(0, -7))
-        .SerializeToString(), {Code.INVALID_ARGUMENT}),
+        lambda me, mine, theirs: mutated(
+            me, mine, lambda r: r.kv_last_page_len.__setitem__(0, -7)
+        ).SerializeToString(),
+        {Code.INVALID_ARGUMENT},
+    ),
     "layer_int32_min": (
-        lambda me, mine, theirs: mutated(me, mine, lambda r: setattr(r, "layer", -(2**31)))
-        .SerializeToString(), {Code.INVALID_ARGUMENT}),
+        lambda me, mine, theirs: mutated(
+            me, mine, lambda r: setattr(r, "layer", -(2**31))
+        ).SerializeToString(),
+        {Code.INVALID_ARGUMENT},
+    ),
     "another_sessions_pages": (
         lambda me, mine, theirs: prefill(me, theirs).SerializeToString(),
-        {Code.FAILED_PRECONDITION}),
+        {Code.FAILED_PRECONDITION},
+    ),
     "page_id_int32_max": (
         lambda me, mine, theirs: prefill(me, [mine[0], INT32_MAX]).SerializeToString(),
-        {Code.INVALID_ARGUMENT}),
+        {Code.INVALID_ARGUMENT},
+    ),
     "garbage_session_handle": (
         lambda me, mine, theirs: prefill("\x00\xff" * 40, mine).SerializeToString(),
-        {Code.INVALID_ARGUMENT}),
+        {Code.INVALID_ARGUMENT},
+    ),
     "session_of_another_epoch": (
         lambda me, mine, theirs: prefill(f"{1:016x}-1", mine).SerializeToString(),
-        {Code.FAILED_PRECONDITION}),
+        {Code.FAILED_PRECONDITION},
+    ),
     "a_million_sequences": (
-        lambda me, mine, theirs: mutated(me, mine, lambda r: (
-            r.ClearField("qo_indptr"), r.qo_indptr.extend([0] * (2**20 + 2))))
-        .SerializeToString(), {Code.INVALID_ARGUMENT}),
+        lambda me, mine, theirs: mutated(
+            me, mine, lambda r: (r.ClearField("qo_indptr"), r.qo_indptr.extend([0] * (2**20 + 2)))
+        ).SerializeToString(),
+        {Code.INVALID_ARGUMENT},
+    ),
 }
 
 

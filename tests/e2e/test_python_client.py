@@ -12,8 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launcher import Launched, launch
-from workload import PoolSession, check_result
 
 from attnserve import (
     AsyncClient,
@@ -33,6 +31,9 @@ from attnserve.reference import EMPTY_ROW_LSE
 from attnserve.tensors import bf16_to_float, float_to_bf16
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import server_config_pb2 as config_pb
+
+from launcher import Launched, launch
+from workload import PoolSession, check_result
 
 # Rides out a queue that stays full for a few hundred milliseconds.
 PATIENT = RetryPolicy(max_attempts=30, initial_backoff=0.02, max_backoff=0.1)

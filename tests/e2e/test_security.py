@@ -9,11 +9,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from launcher import Launched, free_port, launch
 
 from attnserve import Client, PermissionDenied, Unauthenticated, Unavailable
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import server_config_pb2 as config_pb
+
+from launcher import Launched, free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 
@@ -62,20 +63,6 @@ def config(tokens: bool = False) -> config_pb.ServerConfig:
     return c
 
 
-@pytest.fixture
-def servers(tmp_path: Path):
-    started: list[Launched] = []
-
-    def start(cfg: config_pb.ServerConfig, *flags: str) -> Launched:
-        started.append(launch(tmp_path, cfg, *flags))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.process.kill()
-        s.process.wait()
-
-
 def credentials(pki: dict[str, Path], root: str = "ca", client: str | None = None):
     key = pki[f"{client}_key"].read_bytes() if client else None
     cert = pki[f"{client}_cert"].read_bytes() if client else None
@@ -86,8 +73,8 @@ def localhost(server: Launched) -> str:
     return "localhost:" + server.address.rsplit(":", 1)[1]  # the name the certificate holds
 
 
-def test_tls_serves_trusting_clients_only(pki, servers) -> None:
-    server = servers(config(), f"--tls_cert_file={pki['server_cert']}",
+def test_tls_serves_trusting_clients_only(pki, private) -> None:
+    server = private(config(), f"--tls_cert_file={pki['server_cert']}",
                      f"--tls_key_file={pki['server_key']}")  # fmt: skip
     with Client(localhost(server), credentials=credentials(pki), retry=None) as good:
         assert good.server_info().pools[0].name == "p"
@@ -100,8 +87,8 @@ def test_tls_serves_trusting_clients_only(pki, servers) -> None:
             plaintext.server_info()
 
 
-def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki, servers) -> None:
-    server = servers(config(), f"--tls_cert_file={pki['server_cert']}",
+def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki, private) -> None:
+    server = private(config(), f"--tls_cert_file={pki['server_cert']}",
                      f"--tls_key_file={pki['server_key']}",
                      f"--tls_client_ca_file={pki['ca']}")  # fmt: skip
     with Client(localhost(server), credentials=credentials(pki, client="client"),
@@ -114,8 +101,8 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki, servers) -> None
                 bad.server_info()
 
 
-def test_bearer_tokens_and_method_permissions(servers) -> None:
-    server = servers(config(tokens=True))
+def test_bearer_tokens_and_method_permissions(private) -> None:
+    server = private(config(tokens=True))
     with Client(server.address, retry=None) as anonymous:
         with pytest.raises(Unauthenticated):
             anonymous.server_info()
@@ -131,9 +118,9 @@ def test_bearer_tokens_and_method_permissions(servers) -> None:
         scheduler.free_pages(pages, pool="p")
 
 
-def test_health_on_a_plaintext_port_when_tls_is_on(pki, servers) -> None:
+def test_health_on_a_plaintext_port_when_tls_is_on(pki, private) -> None:
     port = free_port()
-    servers(config(tokens=True), f"--tls_cert_file={pki['server_cert']}",
+    private(config(tokens=True), f"--tls_cert_file={pki['server_cert']}",
             f"--tls_key_file={pki['server_key']}", f"--health_port={port}")  # fmt: skip
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         reply = channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -20,7 +19,7 @@ from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import server_config_pb2 as config_pb
 
-from launcher import Launched, launch, sample
+from launcher import sample
 from workload import PoolSession
 
 POOL = "p"
@@ -34,30 +33,19 @@ def one_pool(heads: int = 8, kv_heads: int = 2, head_dim: int = 64, pages: int =
     return config
 
 
-@pytest.fixture
-def private(tmp_path: Path):
-    """launch(...) for the test; every server it started is stopped at the end."""
-    started: list[Launched] = []
-
-    def start(config, *flags: str) -> Launched:
-        started.append(launch(tmp_path, config, *flags))
-        return started[-1]
-
-    yield start
-    for server in started:
-        if server.process.poll() is None:
-            server.process.kill()
-            server.process.wait()
-
-
 def decode_request(pool: pb.PoolInfo, pages: list[int], tokens: int, rng) -> pb.DecodeRequest:
     """One sequence of `tokens` tokens on `pages`, a random query, nothing appended."""
     ps = pool.page_size
     n = (tokens + ps - 1) // ps
     q = rng.standard_normal((1, pool.num_qo_heads, pool.head_dim), dtype=np.float32)
     return pb.DecodeRequest(
-        pool=pool.name, q=pack_tensor(float_to_bf16(q), pb.DTYPE_BF16), kv_indptr=[0, n],
-        kv_indices=pages[:n], kv_last_page_len=[tokens - (n - 1) * ps], return_lse=True)  # fmt: skip
+        pool=pool.name,
+        q=pack_tensor(float_to_bf16(q), pb.DTYPE_BF16),
+        kv_indptr=[0, n],
+        kv_indices=pages[:n],
+        kv_last_page_len=[tokens - (n - 1) * ps],
+        return_lse=True,
+    )
 
 
 FAMILIES = {
@@ -134,8 +122,7 @@ def test_concurrent_calls_merge_and_match_sequential_results(private) -> None:
         session.chunk(seqs, [60 + 7 * i for i in range(clients)])
         rng = np.random.default_rng(3)
         requests = [
-            decode_request(pool, session.table.pages(s), session.table.length(s), rng)
-            for s in seqs
+            decode_request(pool, session.table.pages(s), session.table.length(s), rng) for s in seqs
         ]
         alone = [client.call_decode(r) for r in requests]
         launches_before = sample(server.metrics(), "attn_batch_requests_count", op="decode")
@@ -169,8 +156,11 @@ def test_full_queue_answers_resource_exhausted_with_a_retry_hint(private) -> Non
         stub, other = pb_grpc.AttentionServiceStub(a), pb_grpc.AttentionServiceStub(b)
         session = stub.OpenSession(pb.OpenSessionRequest(), timeout=10).session
         pool = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).pools[0]
-        pages = list(stub.AllocatePages(
-            pb.AllocatePagesRequest(pool=POOL, num_pages=4, session=session), timeout=10).page_ids)
+        pages = list(
+            stub.AllocatePages(
+                pb.AllocatePagesRequest(pool=POOL, num_pages=4, session=session), timeout=10
+            ).page_ids
+        )
         request = decode_request(pool, pages, 50, np.random.default_rng(4))
         request.session = session
         first = threading.Thread(target=stub.Decode, args=(request,), kwargs={"timeout": 10})

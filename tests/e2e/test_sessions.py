@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from launcher import launch, sample
 
 from attnserve.tensors import float_to_bf16, pack_tensor
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import server_config_pb2 as config_pb
+
+from launcher import sample
 
 POOL = "p"
 Code = grpc.StatusCode
@@ -26,17 +26,6 @@ def config() -> config_pb.ServerConfig:
     c.pools.add(name=POOL, kind=pb.POOL_KIND_GQA, num_layers=1, page_size=16, num_qo_heads=4,
                 num_kv_heads=1, head_dim=64, num_pages=64)  # fmt: skip
     return c
-
-
-@pytest.fixture
-def own(tmp_path: Path, request):
-    """A private server; flags from @pytest.mark.flags(...)."""
-    marker = request.node.get_closest_marker("flags")
-    launched = launch(tmp_path, config(), *(marker.args if marker else ()))
-    yield launched
-    if launched.process.poll() is None:
-        launched.process.kill()
-        launched.process.wait()
 
 
 def stub(address: str) -> pb_grpc.AttentionServiceStub:
@@ -163,7 +152,8 @@ def test_pages_of_a_queued_call_are_not_freed_under_it(own) -> None:
     pages = allocate(a, 2, session)
     result: list = []
     call = threading.Thread(
-        target=lambda: result.append(a.Decode(decode(pages, 20, session), timeout=10)))
+        target=lambda: result.append(a.Decode(decode(pages, 20, session), timeout=10))
+    )
     call.start()  # waits in the queue for company
     time.sleep(0.1)
     freeing = pb.FreePagesRequest(pool=POOL, page_ids=pages, session=session)

@@ -81,7 +81,10 @@ class AsyncClient:
         return self._session
 
     async def open_session(
-        self, *, lease_s: float | None = None, max_pages: int | None = None,
+        self,
+        *,
+        lease_s: float | None = None,
+        max_pages: int | None = None,
         timeout: float | None = None,
     ) -> pb.OpenSessionResponse:
         """Opens a session and names it in every later call of this client (pass its handle,

@@ -87,7 +87,10 @@ class Client:
         return self._session
 
     def open_session(
-        self, *, lease_s: float | None = None, max_pages: int | None = None,
+        self,
+        *,
+        lease_s: float | None = None,
+        max_pages: int | None = None,
         timeout: float | None = None,
     ) -> pb.OpenSessionResponse:
         """Opens a session and names it in every later call of this client (pass its handle,
@@ -233,9 +236,7 @@ class Client:
         request = with_session(request, self._session)
         while True:
             try:
-                response = method(
-                    request, timeout=attempts.remaining(), metadata=self._metadata
-                )
+                response = method(request, timeout=attempts.remaining(), metadata=self._metadata)
             except grpc.RpcError as e:
                 time.sleep(attempts.wait_after(e))
                 continue
