@@ -35,6 +35,7 @@ type options struct {
 	maxMessageBytes int
 	retry           RetryPolicy
 	creds           credentials.TransportCredentials
+	token           string
 	dialOptions     []grpc.DialOption
 }
 
@@ -59,6 +60,20 @@ func WithoutRetries() Option { return func(o *options) { o.retry.MaxAttempts = 1
 func WithTransportCredentials(c credentials.TransportCredentials) Option {
 	return func(o *options) { o.creds = c }
 }
+
+// WithBearerToken sends "authorization: Bearer <token>" with every call, for servers configured
+// with access tokens (UNAUTHENTICATED without one, PERMISSION_DENIED for a method the token may
+// not call). Tokens are sent on plaintext connections too; use TLS where the network is shared.
+func WithBearerToken(token string) Option { return func(o *options) { o.token = token } }
+
+// bearerToken is the per-call credential of WithBearerToken.
+type bearerToken string
+
+func (t bearerToken) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(t)}, nil
+}
+
+func (bearerToken) RequireTransportSecurity() bool { return false }
 
 // WithDialOptions adds gRPC dial options (interceptors, keepalive, ...), applied after the
 // client's own.
@@ -107,14 +122,14 @@ func Dial(address string, opts ...Option) (*Client, error) {
 // The message limits are applied per call, so they hold whatever the connection's defaults.
 func NewFromConn(conn grpc.ClientConnInterface, opts ...Option) *Client {
 	o := newOptions(opts)
-	return &Client{
-		stub: pb.NewAttentionServiceClient(conn),
-		opts: o,
-		calls: []grpc.CallOption{
-			grpc.MaxCallRecvMsgSize(o.maxMessageBytes),
-			grpc.MaxCallSendMsgSize(o.maxMessageBytes),
-		},
+	calls := []grpc.CallOption{
+		grpc.MaxCallRecvMsgSize(o.maxMessageBytes),
+		grpc.MaxCallSendMsgSize(o.maxMessageBytes),
 	}
+	if o.token != "" {
+		calls = append(calls, grpc.PerRPCCredentials(bearerToken(o.token)))
+	}
+	return &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls}
 }
 
 // Close closes the connection Dial opened (a no-op for NewFromConn and WithSession clients).

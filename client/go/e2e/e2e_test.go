@@ -517,3 +517,42 @@ func TestSessions(t *testing.T) {
 	_, err = c.WithSession("not-a-handle").AllocatePages(ctx(), "gqa", 1)
 	expectCode(t, err, codes.InvalidArgument)
 }
+
+// A server with access tokens: no token and an unknown one are UNAUTHENTICATED, a read-only token
+// may read the server info but not allocate, a full token may do both.
+func TestBearerTokens(t *testing.T) {
+	live(t)
+	srv := attnservetest.StartT(t, `
+access_tokens { name: "scheduler" token: "sched" methods: "*" }
+access_tokens { name: "dashboard" token: "read" methods: "GetServerInfo" }
+pools { name: "gqa" kind: POOL_KIND_GQA num_layers: 1 page_size: 16 num_qo_heads: 8
+        num_kv_heads: 2 head_dim: 64 num_pages: 64 }`)
+	dial := func(opts ...attnserve.Option) *attnserve.Client {
+		c, err := attnserve.Dial(srv.Address, append(opts, attnserve.WithoutRetries())...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	for _, c := range []*attnserve.Client{dial(), dial(attnserve.WithBearerToken("nope"))} {
+		if _, err := c.ServerInfo(ctx()); attnserve.Code(err) != codes.Unauthenticated {
+			t.Errorf("without a known token: got %v, want UNAUTHENTICATED", err)
+		}
+	}
+	reader := dial(attnserve.WithBearerToken("read"))
+	if _, err := reader.ServerInfo(ctx()); err != nil {
+		t.Errorf("read-only token reading: %v", err)
+	}
+	if _, err := reader.AllocatePages(ctx(), "gqa", 1); attnserve.Code(err) != codes.PermissionDenied {
+		t.Errorf("read-only token allocating: got %v, want PERMISSION_DENIED", err)
+	}
+	scheduler := dial(attnserve.WithBearerToken("sched"))
+	pages, err := scheduler.AllocatePages(ctx(), "gqa", 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := scheduler.FreePages(ctx(), "gqa", pages); err != nil {
+		t.Fatal(err)
+	}
+}
