@@ -1,6 +1,7 @@
 #include "server/batcher.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -100,13 +101,20 @@ bool Batcher::WaitForBatch() {
 std::vector<std::unique_ptr<PendingCall>> Batcher::PopBatch() {
   std::vector<std::unique_ptr<PendingCall>> batch;
   int64_t tokens = 0;
+  // The merged page table is indexed with int32 (kernels/attention.h): one call's fits (validation
+  // bounds it), several large ones together might not.
+  int64_t pages = 0;
+  constexpr int64_t kMaxMergedPages = std::numeric_limits<int32_t>::max();
   while (!queue_.empty() && static_cast<int>(batch.size()) < options_.max_batch_requests) {
     PendingCall& next = *queue_.front();
+    const int64_t next_pages = static_cast<int64_t>(next.call.kv_indices.size());
     if (!batch.empty() && (!Mergeable(batch.front()->call, next.call) ||
-                           tokens + next.call.total_q > options_.max_batch_tokens)) {
+                           tokens + next.call.total_q > options_.max_batch_tokens ||
+                           pages + next_pages > kMaxMergedPages)) {
       break;
     }
     tokens += next.call.total_q;
+    pages += next_pages;
     queued_tokens_ -= next.call.total_q;
     batch.push_back(std::move(queue_.front()));
     queue_.pop_front();

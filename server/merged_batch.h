@@ -44,9 +44,11 @@ void GatherRows(absl::Span<AttentionCall* const> calls, const MergedBatch& merge
                 const bf16* AttentionCall::*field, int64_t row_elems, T* dst) {
   static_assert(sizeof(T) == sizeof(bf16));
   for (size_t i = 0; i < calls.size(); ++i) {
-    const bf16* src = calls[i]->*field;
-    std::memcpy(dst + merged.row_begin(i) * row_elems, src,
-                calls[i]->total_q * row_elems * sizeof(bf16));
+    const int64_t bytes = calls[i]->total_q * row_elems * int64_t{sizeof(bf16)};
+    // A call may have no query rows (every sequence with q_len 0); dst is then null, and memcpy
+    // of 0 bytes to null is still undefined.
+    if (bytes == 0) continue;
+    std::memcpy(dst + merged.row_begin(i) * row_elems, calls[i]->*field, bytes);
   }
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -17,6 +18,19 @@ std::string SessionTable::Handle(SessionId id) const {
   return absl::StrFormat("%016x-%d", epoch_, id);
 }
 
+namespace {
+
+// A client's handle as error messages show it: escaped, and at most 64 bytes of it (the message
+// must not grow with the request).
+std::string ShownHandle(absl::string_view handle) {
+  constexpr size_t kMaxShown = 64;
+  if (handle.size() <= kMaxShown) return absl::CHexEscape(handle);
+  return absl::StrCat(absl::CHexEscape(handle.substr(0, kMaxShown)), "... (", handle.size(),
+                      " bytes)");
+}
+
+}  // namespace
+
 absl::StatusOr<SessionId> SessionTable::ParseHandle(absl::string_view handle) const {
   const std::vector<absl::string_view> parts = absl::StrSplit(handle, '-');
   uint64_t epoch = 0;
@@ -24,7 +38,7 @@ absl::StatusOr<SessionId> SessionTable::ParseHandle(absl::string_view handle) co
   if (parts.size() != 2 || parts[0].size() != 16 || !absl::SimpleHexAtoi(parts[0], &epoch) ||
       !absl::SimpleAtoi(parts[1], &id) || id <= 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("session '", handle, "' is not a session handle of this server"));
+        absl::StrCat("session '", ShownHandle(handle), "' is not a session handle of this server"));
   }
   if (epoch != epoch_) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -114,7 +128,7 @@ absl::Status SessionTable::Charge(SessionId id, int pages) {
 void SessionTable::Refund(SessionId id, int pages) {
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
-  if (it != sessions_.end()) it->second.pages = std::max(0, it->second.pages - pages);
+  if (it != sessions_.end()) it->second.pages = std::max<int64_t>(0, it->second.pages - pages);
 }
 
 int SessionTable::size() const {

@@ -69,7 +69,7 @@ class SessionTable {
     absl::Duration lease;
     absl::Time last_seen;
     int max_pages = 0;
-    int pages = 0;
+    int64_t pages = 0;  // 64 bits: a charge of up to INT32_MAX pages is refused, not wrapped
     std::string peer;  // implicit sessions only
   };
 

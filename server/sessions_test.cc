@@ -1,5 +1,11 @@
 #include "server/sessions.h"
 
+#include <atomic>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
 #include "gtest/gtest.h"
 
 namespace attn {
@@ -97,6 +103,78 @@ TEST(SessionsTest, QuotasAreChargedAndRefunded) {
   EXPECT_TRUE(t.Charge(s.id, 6).ok());
   const OpenedSession unlimited = t.Open(absl::ZeroDuration(), 0, kStart);
   EXPECT_TRUE(t.Charge(unlimited.id, 1'000'000).ok());
+}
+
+TEST(SessionsTest, BadHandlesAreShortenedInMessages) {
+  SessionTable t(1, Options());
+  const std::string hostile = std::string(100000, 'x') + "\n";
+  const absl::StatusOr<SessionId> id = t.Resolve(hostile, "p", kStart);
+  ASSERT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(id.status().message().size(), 200u);
+  EXPECT_NE(id.status().message().find("(100001 bytes)"), std::string::npos) << id.status();
+}
+
+// AllocatePages charges the quota before the pool checks num_pages: a hostile INT32_MAX must be
+// refused by the quota (or refunded) without overflowing the session's page count.
+TEST(SessionsTest, HugeChargesNeitherOverflowNorBypassTheQuota) {
+  constexpr int kMax = std::numeric_limits<int32_t>::max();
+  SessionTable t(1, Options());
+  const OpenedSession s = t.Open(absl::ZeroDuration(), 10, kStart);
+  ASSERT_TRUE(t.Charge(s.id, 2).ok());
+  EXPECT_EQ(t.Charge(s.id, kMax).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(t.Charge(s.id, 8).ok());  // 2 + 8: the quota is intact
+  EXPECT_EQ(t.Charge(s.id, 1).code(), absl::StatusCode::kResourceExhausted);
+
+  const OpenedSession unlimited = t.Open(absl::ZeroDuration(), 0, kStart);
+  ASSERT_TRUE(t.Charge(unlimited.id, 2).ok());
+  ASSERT_TRUE(t.Charge(unlimited.id, kMax).ok());  // the pool refuses it next; then:
+  t.Refund(unlimited.id, kMax);
+  ASSERT_TRUE(t.Charge(unlimited.id, kMax).ok());
+  t.Refund(unlimited.id, kMax);
+}
+
+// Handlers on many threads open, resolve, charge and close sessions while the reaper expires
+// them (the table is shared by every call; scripts/sanitize runs this under ThreadSanitizer).
+TEST(SessionsTest, ConcurrentCallsAndExpiry) {
+  SessionTable t(1, Options());
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> clock_s{0};  // a shared fake clock the reaper advances
+  auto now = [&] { return kStart + absl::Seconds(clock_s.load()); };
+  std::thread reaper([&] {
+    while (!stop.load()) {
+      clock_s.fetch_add(1);
+      t.Expire(now());
+    }
+  });
+  std::vector<std::thread> handlers;
+  for (int h = 0; h < 4; ++h) {
+    handlers.emplace_back([&, h] {
+      const std::string peer = "ipv4:127.0.0.1:" + std::to_string(1000 + h);
+      for (int i = 0; i < 500; ++i) {
+        const OpenedSession s = t.Open(absl::Seconds(1 + i % 20), 4, now());
+        absl::StatusOr<SessionId> id = t.Resolve(s.handle, peer, now());
+        if (id.ok()) {
+          EXPECT_EQ(*id, s.id);
+          const absl::Status charged = t.Charge(s.id, 3);
+          EXPECT_TRUE(charged.ok() || absl::IsNotFound(charged)) << charged;
+          t.Refund(s.id, 3);
+        } else {
+          EXPECT_TRUE(absl::IsNotFound(id.status())) << id.status();  // expired meanwhile
+        }
+        ASSERT_TRUE(t.Resolve("", peer, now()).ok());
+        absl::StatusOr<SessionId> closed = t.Close(s.handle);
+        EXPECT_TRUE(closed.ok() || absl::IsNotFound(closed.status())) << closed.status();
+      }
+    });
+  }
+  for (auto& th : handlers) th.join();
+  stop.store(true);
+  reaper.join();
+  // Every explicit session was closed or expired; only the implicit ones may remain.
+  const int left = t.size();
+  EXPECT_LE(left, 4);
+  EXPECT_EQ(t.Expire(now() + absl::Hours(2)).size(), static_cast<size_t>(left));
+  EXPECT_EQ(t.size(), 0);
 }
 
 }  // namespace

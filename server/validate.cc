@@ -1,8 +1,10 @@
 #include "server/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -18,8 +20,14 @@ struct Dim {
   const char* name;
 };
 
+// At most kMaxShownDims dimensions: the shape is the client's, and an error message as long as
+// the request would not fit gRPC's metadata limits (the client would get RESOURCE_EXHAUSTED
+// without the reason).
+constexpr size_t kMaxShownDims = 8;
 std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+  if (shape.size() <= kMaxShownDims) return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+  return absl::StrCat("[", absl::StrJoin(shape.first(kMaxShownDims), ", "), ", ... (",
+                      shape.size(), " dimensions)]");
 }
 
 std::string ExpectedString(std::initializer_list<Dim> dims) {
@@ -76,6 +84,23 @@ absl::Status CheckIndptr(absl::Span<const int32_t> indptr, const char* field, in
   return absl::OkStatus();
 }
 
+// A sequence cannot hold more tokens than the pool has slots. Without this bound a page table that
+// names one page millions of times (a few bytes per entry on the wire) overflows the int32 kv_len
+// of the kernels and asks for attention over billions of keys.
+absl::Status CheckPagesPerSequence(absl::Span<const int32_t> kv_indptr, const PoolGeometry& pool) {
+  const int64_t max_pages = std::min<int64_t>(
+      pool.num_pages, std::numeric_limits<int32_t>::max() / std::max(pool.page_size, 1));
+  for (size_t b = 0; b + 1 < kv_indptr.size(); ++b) {
+    const int64_t pages = int64_t{kv_indptr[b + 1]} - kv_indptr[b];
+    if (pages > max_pages) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_indptr: sequence ", b, " has ", pages, " pages; a sequence may have at most ",
+          max_pages, max_pages == pool.num_pages ? " (the pool's num_pages)" : " (int32 kv_len)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // Normalizes kv_last_page_len to batch entries (0 for sequences without pages) and checks that
 // every sequence with pages has 1..page_size tokens in its last page.
 absl::StatusOr<std::vector<int32_t>> LastPageLens(absl::Span<const int32_t> given,
@@ -121,6 +146,7 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
   }
   RETURN_IF_ERROR(CheckIndptr(call.kv_indptr, "kv_indptr",
                               static_cast<int64_t>(call.kv_indices.size()), "len(kv_indices)"));
+  RETURN_IF_ERROR(CheckPagesPerSequence(call.kv_indptr, pool));
   ASSIGN_OR_RETURN(call.kv_last_page_len, LastPageLens(absl::MakeConstSpan(req.kv_last_page_len()),
                                                        call.kv_indptr, batch, pool.page_size));
 

@@ -221,6 +221,36 @@ INSTANTIATE_TEST_SUITE_P(
                 kInvalid, "sequence 0 appends 3 tokens"}),
     [](const ::testing::TestParamInfo<BadCase>& info) { return info.param.name; });
 
+// A page table may name a page more than once, but no sequence can hold more pages than the pool:
+// otherwise a few bytes per entry on the wire would overflow int32 kv_len in the kernels.
+TEST_F(ValidateTest, RejectsSequencesLongerThanThePool) {
+  DecodeRequest r = ValidMlaDecode();  // pool of 32 pages
+  r.set_kv_indptr(2, 1 + 33);
+  for (int i = 0; i < 31; ++i) r.add_kv_indices(0);
+  ASSERT_EQ(r.kv_indices_size(), 34);
+  auto call = ValidateDecode(r, mla_);
+  ASSERT_FALSE(call.ok());
+  EXPECT_EQ(call.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(call.status().message().find("sequence 1 has 33 pages"), std::string::npos)
+      << call.status();
+  r.mutable_kv_indices()->RemoveLast();  // 32 pages (all of them, page 0 repeated) is allowed
+  r.set_kv_indptr(2, 1 + 32);
+  EXPECT_TRUE(ValidateDecode(r, mla_).ok()) << ValidateDecode(r, mla_).status();
+}
+
+// The client's shape is echoed in the message, but not all of it: a hostile one with thousands of
+// dimensions would make the error message larger than gRPC's metadata limit.
+TEST_F(ValidateTest, LongShapesAreShortenedInMessages) {
+  PrefillRequest r = ValidGqaPrefill();
+  for (int i = 0; i < 10000; ++i) r.mutable_q()->add_shape(123456789);
+  auto call = ValidatePrefill(r, gqa_);
+  ASSERT_FALSE(call.ok());
+  EXPECT_EQ(call.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(call.status().message().find("(10003 dimensions)"), std::string::npos)
+      << call.status();
+  EXPECT_LT(call.status().message().size(), 300u) << call.status();
+}
+
 TEST_F(ValidateTest, MlaRejectsMissingScaleAndGqaFields) {
   DecodeRequest no_scale = ValidMlaDecode();
   no_scale.clear_sm_scale();

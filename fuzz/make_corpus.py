@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of fuzz/request_fuzzer.cc into fuzz/corpus/ (deterministic).
+
+    .venv/bin/python fuzz/make_corpus.py [OUT_DIR]
+
+Each seed is one selector byte followed by a serialized PrefillRequest or DecodeRequest (the
+format request_fuzzer.cc documents): valid calls on every pool and op, and malformed ones that
+each break one rule (shapes, dtypes, indptr, page ids and owners, layer, sm_scale, MLA/GQA fields,
+appends longer than the page table), plus truncated and garbage wire bytes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from attnserve.v1 import attention_pb2 as pb
+
+# The fuzzer's pools (request_fuzzer.cc PoolConfig): selector bits 0-1.
+# Pages 0 .. num_pages - 4 belong to the caller, the next two to another session, the last is free.
+POOLS = {
+    "gqa": dict(index=0, mla=False, page_size=4, heads=4, kv_heads=2, dim=64, layers=2, pages=16),
+    "gqa_p1": dict(
+        index=1, mla=False, page_size=1, heads=3, kv_heads=1, dim=64, layers=1, pages=32
+    ),
+    "mla": dict(index=2, mla=True, page_size=4, heads=2, kv_heads=1, dim=512, layers=2, pages=8),
+}
+DECODE = 4  # selector bit 2
+MERGE = 8  # selector bit 3
+EPOCH = 0xA77E5E11
+
+rng = np.random.default_rng(1234)
+
+
+def bf16(shape: tuple[int, ...]) -> pb.Tensor:
+    """Random bf16 tensor (values in [-2, 2), truncated from float32)."""
+    values = rng.uniform(-2, 2, size=shape).astype(np.float32)
+    bits = (values.view(np.uint32) >> 16).astype("<u2")
+    return pb.Tensor(dtype=pb.DTYPE_BF16, shape=list(shape), data=bits.tobytes())
+
+
+def csr(q_lens: list[int], kv_lens: list[int], page_size: int, first_page: int = 0):
+    """qo_indptr, kv_indptr, kv_indices (consecutive pages from first_page), kv_last_page_len."""
+    qo, kv, indices, last = [0], [0], [], []
+    page = first_page
+    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
+        qo.append(qo[-1] + q_len)
+        n = -(-kv_len // page_size)
+        indices += list(range(page, page + n))
+        page += n
+        kv.append(kv[-1] + n)
+        last.append(kv_len - (n - 1) * page_size if n else 0)
+    return qo, kv, indices, last
+
+
+def request(
+    pool: str,
+    q_lens: list[int],
+    kv_lens: list[int],
+    *,
+    decode: bool = False,
+    append: bool = True,
+    layer: int = 0,
+    lse: bool = False,
+    **extra,
+):
+    p = POOLS[pool]
+    qo, kv, indices, last = csr(q_lens, kv_lens, p["page_size"])
+    total = len(q_lens) if decode else sum(q_lens)
+    r = pb.DecodeRequest() if decode else pb.PrefillRequest()
+    r.pool = pool
+    r.layer = layer
+    if p["mla"]:
+        r.q.CopyFrom(bf16((total, p["heads"], 512)))
+        r.q_pe.CopyFrom(bf16((total, p["heads"], 64)))
+        if append:
+            r.ckv_new.CopyFrom(bf16((total, 512)))
+            r.kpe_new.CopyFrom(bf16((total, 64)))
+        r.sm_scale = 0.1352337747812271
+    else:
+        r.q.CopyFrom(bf16((total, p["heads"], p["dim"])))
+        if append:
+            r.k_new.CopyFrom(bf16((total, p["kv_heads"], p["dim"])))
+            r.v_new.CopyFrom(bf16((total, p["kv_heads"], p["dim"])))
+    if not decode:
+        r.qo_indptr.extend(qo)
+    r.kv_indptr.extend(kv)
+    r.kv_indices.extend(indices)
+    r.kv_last_page_len.extend(last)
+    r.return_lse = lse
+    for name, value in extra.items():
+        setattr(r, name, value)
+    return r
+
+
+def seed(pool: str, message, flags: int = 0) -> bytes:
+    decode = isinstance(message, pb.DecodeRequest)
+    selector = POOLS[pool]["index"] | (DECODE if decode else 0) | flags
+    return bytes([selector]) + message.SerializeToString()
+
+
+def seeds() -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+
+    def add(name: str, pool: str, message, flags: int = 0) -> None:
+        out[name] = seed(pool, message, flags)
+
+    # Valid calls.
+    add("gqa_prefill_append", "gqa", request("gqa", [3, 2], [6, 5], lse=True, layer=1))
+    add("gqa_prefill_no_append", "gqa", request("gqa", [4], [2], append=False))
+    add("gqa_prefill_merged", "gqa", request("gqa", [2, 1], [5, 1], lse=True), MERGE)
+    add("gqa_prefill_empty_queries", "gqa", request("gqa", [0, 0], [3, 0], append=False))
+    add("gqa_decode_append", "gqa", request("gqa", [1, 1, 1], [1, 4, 9], decode=True, lse=True))
+    add("gqa_decode_no_pages", "gqa", request("gqa", [1, 1], [0, 7], decode=True, append=False))
+    add("gqa_decode_merged", "gqa", request("gqa", [1, 1], [3, 8], decode=True), MERGE)
+    p1 = request("gqa_p1", [2, 3], [4, 3], lse=True)
+    del p1.kv_last_page_len[:]  # page size 1: may be empty
+    add("gqa_p1_prefill_implicit_last", "gqa_p1", p1)
+    add("gqa_p1_decode", "gqa_p1", request("gqa_p1", [1, 1], [5, 1], decode=True))
+    add("mla_prefill_append", "mla", request("mla", [2], [5], lse=True, layer=1))
+    add("mla_decode_append", "mla", request("mla", [1], [6], decode=True))
+    add("mla_decode_merged", "mla", request("mla", [1], [3], decode=True, append=False), MERGE)
+    trailing = request("gqa", [1], [2], decode=True)
+    trailing.kv_last_page_len.append(3)  # batch + 1 entries: the last is ignored
+    add("gqa_decode_trailing_last_len", "gqa", trailing)
+    add(
+        "gqa_decode_session",
+        "gqa",
+        request("gqa", [1], [2], decode=True, session=f"{EPOCH:016x}-1"),
+    )
+
+    # Malformed: each breaks one rule.
+    bad = request("gqa", [2], [3])
+    bad.q.dtype = pb.DTYPE_FP32
+    add("bad_dtype", "gqa", bad)
+    bad = request("gqa", [2], [3])
+    bad.q.shape[1] = 8
+    add("bad_shape", "gqa", bad)
+    bad = request("gqa", [2], [3])
+    bad.k_new.data = bad.k_new.data[:-2]
+    add("bad_data_size", "gqa", bad)
+    bad = request("gqa", [2, 1], [3, 4])
+    bad.qo_indptr[:] = [0, 3, 2]
+    add("bad_qo_indptr_decreasing", "gqa", bad)
+    bad = request("gqa", [2], [3])
+    bad.qo_indptr[0] = 1
+    add("bad_qo_indptr_start", "gqa", bad)
+    bad = request("gqa", [2], [3])
+    bad.qo_indptr[-1] = 1 << 30
+    add("bad_total_q_huge", "gqa", bad)
+    bad = request("gqa", [2], [3])
+    bad.kv_indptr.append(1)
+    add("bad_kv_indptr_length", "gqa", bad)
+    bad = request("gqa", [1], [6], decode=True)
+    bad.kv_last_page_len[0] = 5
+    add("bad_last_page_len_high", "gqa", bad)
+    bad = request("gqa", [1], [6], decode=True)
+    bad.kv_last_page_len[0] = 0
+    add("bad_last_page_len_zero", "gqa", bad)
+    bad = request("gqa", [1, 1], [6, 2], decode=True)
+    del bad.kv_last_page_len[1:]
+    add("bad_last_page_len_count", "gqa", bad)
+    for name, page in (("range", 99), ("negative", -1), ("other_session", 13), ("free", 15)):
+        bad = request("gqa", [1], [6], decode=True)
+        bad.kv_indices[1] = page
+        add(f"bad_page_{name}", "gqa", bad)
+    add("bad_layer", "gqa", request("gqa", [1], [2], decode=True, layer=2))
+    add("bad_layer_negative", "mla", request("mla", [1], [2], decode=True, layer=-1))
+    add("bad_sm_scale_nan", "gqa", request("gqa", [1], [2], decode=True, sm_scale=float("nan")))
+    add("bad_sm_scale_inf", "mla", request("mla", [1], [2], decode=True, sm_scale=float("inf")))
+    bad = request("mla", [1], [2], decode=True)
+    bad.ClearField("sm_scale")
+    add("bad_mla_without_scale", "mla", bad)
+    bad = request("gqa", [1], [2], decode=True)
+    bad.q_pe.CopyFrom(bf16((1, 4, 64)))
+    add("bad_gqa_with_mla_field", "gqa", bad)
+    bad = request("gqa", [1], [2], decode=True)
+    bad.ClearField("v_new")
+    add("bad_k_without_v", "gqa", bad)
+    add("bad_append_longer_than_table", "gqa", request("gqa", [3], [2]))
+    add("bad_decode_no_sequences", "gqa", pb.DecodeRequest(kv_indptr=[0]))
+    add("bad_prefill_empty", "gqa", pb.PrefillRequest())
+    add(
+        "bad_session_epoch",
+        "gqa",
+        request("gqa", [1], [2], decode=True, session="0000000000000001-1"),
+    )
+    add(
+        "bad_session_garbage",
+        "mla",
+        request("mla", [1], [2], decode=True, session="-9223372036854775808-x"),
+    )
+    long_table = request("gqa_p1", [1], [28], decode=True, append=False)
+    add("gqa_p1_decode_long_table", "gqa_p1", long_table)
+    too_long = request("gqa_p1", [1], [1], decode=True, append=False)
+    too_long.kv_indices.extend([0] * 32)  # 33 pages: more than the pool holds
+    too_long.kv_indptr[1] = 33
+    add("bad_sequence_longer_than_pool", "gqa_p1", too_long)
+
+    # Wire-level damage.
+    valid = seed("gqa", request("gqa", [2], [5], lse=True))
+    out["wire_truncated_in_tensor"] = valid[: len(valid) // 2]
+    out["wire_truncated_in_varint"] = valid[:2] + b"\xff\xff"
+    out["wire_garbage"] = bytes([0]) + bytes(rng.integers(0, 256, 64, dtype=np.uint8))
+    out["wire_huge_length"] = bytes([4]) + b"\x1a\xff\xff\xff\xff\x0f"
+    out["wire_unknown_fields"] = valid + b"\xf8\x07\x01\x92\x08\x03abc"
+    # A second `q` field: protobuf merges it into the first (its shape gains a dimension).
+    extra_q = pb.Tensor(shape=[1]).SerializeToString()
+    merged = seed("gqa", request("gqa", [1], [2], decode=True))
+    out["wire_merged_field"] = merged + b"\x1a" + bytes([len(extra_q)]) + extra_q
+    out["wire_selector_only"] = bytes([DECODE | 2])
+    return out
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "corpus"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    all_seeds = seeds()
+    for name, data in all_seeds.items():
+        (out_dir / name).write_bytes(data)
+    total = sum(len(d) for d in all_seeds.values())
+    print(f"wrote {len(all_seeds)} seeds ({total} bytes) to {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
