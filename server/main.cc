@@ -5,21 +5,22 @@
 #include <signal.h>
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "google/protobuf/stubs/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -269,7 +270,35 @@ int Run() {
 }  // namespace
 }  // namespace attn
 
+namespace attn {
+namespace {
+
+// Protobuf logs an ERROR line for every request with invalid UTF-8 in a string field (such a
+// request is refused with INVALID_ARGUMENT anyway), so one client could flood the log. Lines pass
+// at most once a second; the rest are counted in the next line that passes.
+void RateLimitedProtobufLog(google::protobuf::LogLevel level, const char* file, int line,
+                            const std::string& message) {
+  static absl::Mutex mu(absl::kConstInit);
+  static absl::Time last = absl::InfinitePast();
+  static int64_t suppressed = 0;
+  absl::MutexLock lock(&mu);
+  const absl::Time now = absl::Now();
+  if (level < google::protobuf::LOGLEVEL_FATAL && now - last < absl::Seconds(1)) {
+    ++suppressed;
+    return;
+  }
+  last = now;
+  std::cerr << "protobuf " << file << ":" << line << ": " << message;
+  if (suppressed > 0) std::cerr << " (" << suppressed << " more suppressed)";
+  std::cerr << "\n";
+  suppressed = 0;
+}
+
+}  // namespace
+}  // namespace attn
+
 int main(int argc, char** argv) {
+  google::protobuf::SetLogHandler(&attn::RateLimitedProtobufLog);
   absl::SetProgramUsageMessage("attnserve [--config=FILE] [--listen_address=HOST:PORT] ...");
   absl::ParseCommandLine(argc, argv);
   // Block the shutdown signals in every thread; Run() takes them with sigwait.

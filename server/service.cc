@@ -221,6 +221,11 @@ void AttentionServiceImpl::HandleAllocatePages(
   if (!pool.ok()) return call.Complete(pool.status());
   absl::StatusOr<SessionId> owner = Session(call.ctx, req.session());
   if (!owner.ok()) return call.Complete(owner.status());
+  const int total = (*pool)->pages.total_pages();
+  if (req.num_pages() < 1 || req.num_pages() > total) {
+    return call.Complete(absl::InvalidArgumentError(
+        absl::StrCat("num_pages = ", req.num_pages(), " is outside [1, ", total, "]")));
+  }
   // The quota first (other sessions' pages are never touched), then the pool.
   SessionTable& sessions = engine_->sessions();
   absl::StatusOr<std::vector<int32_t>> ids = absl::UnknownError("unset");

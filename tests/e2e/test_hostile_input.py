@@ -74,6 +74,11 @@ CASES = {
         {Code.INVALID_ARGUMENT},
     ),
     "random_bytes": (lambda me, mine, theirs: b"\xff" + os.urandom(511), {Code.INVALID_ARGUMENT}),
+    # Field 15 (session) holding bytes that are not UTF-8: proto3 refuses to parse it.
+    "invalid_utf8_in_a_string_field": (
+        lambda me, mine, theirs: prefill(me, mine).SerializeToString() + b"\x7a\x02\xff\xfe",
+        {Code.INVALID_ARGUMENT},
+    ),
     "length_prefix_past_the_end": (
         lambda me, mine, theirs: b"\x1a\xff\xff\xff\x7f" + b"\x00" * 16,
         {Code.INVALID_ARGUMENT},
@@ -152,6 +157,17 @@ def test_hostile_prefill_is_refused(hostile: Launched, setup, name: str) -> None
     assert err.value.details(), "errors carry a message"
     assert hostile.process.poll() is None
     assert state(s) == before
+
+
+def test_invalid_utf8_does_not_flood_the_log(hostile: Launched, setup) -> None:
+    channel, s, mine, my_pages, _ = setup
+    call = channel.unary_unary("/attnserve.v1.AttentionService/Prefill")
+    payload = prefill(mine, my_pages).SerializeToString() + b"\x7a\x02\xff\xfe"
+    before = hostile.log.read_text().count("protobuf ")
+    for _ in range(200):
+        with pytest.raises(grpc.RpcError):
+            call(payload, timeout=10)
+    assert hostile.log.read_text().count("protobuf ") - before <= 5  # about one line a second
 
 
 @pytest.mark.parametrize("num_pages", [-1, 0, INT32_MAX, 65])

@@ -20,6 +20,7 @@ from attnserve import (
     BatchCsr,
     Client,
     FailedPrecondition,
+    HashRing,
     InvalidArgument,
     NotFound,
     PoolExhausted,
@@ -173,6 +174,15 @@ def test_retries_ride_out_a_full_queue(private) -> None:
         queued.result()
 
 
+def spread_ids(prefix: str, ring: HashRing, must_reach: list[str], count: int) -> list[str]:
+    """`count` ids "prefix-N" (N from 0 up) whose nodes on `ring` include every `must_reach`."""
+    for start in range(1000):
+        ids = [f"{prefix}-{start + i}" for i in range(count)]
+        if set(must_reach) <= {ring.node_for(i) for i in ids}:
+            return ids
+    raise AssertionError(f"no {count} consecutive ids reach {must_reach}")
+
+
 def test_router_keeps_sequences_with_their_pages(private) -> None:
     """Sequences spread over three servers by the ring, stay put when a fourth joins, and each
     server's batch (gathered and scattered by ServerBatch.rows) matches the reference."""
@@ -184,7 +194,10 @@ def test_router_keeps_sequences_with_their_pages(private) -> None:
             a: PoolSession(router.client(a), pool, seed=i) for i, a in enumerate(addresses[:3])
         }
         sessions[fourth] = PoolSession(joining, pool, seed=3)
-        seqs = [f"req-{i}" for i in range(12)]
+        # Placement depends on the servers' (random) ports: take the first ids the ring spreads
+        # over all three servers, and newcomers of which some go to the fourth.
+        seqs = spread_ids("req", HashRing(addresses[:3]), addresses[:3], 12)
+        newcomers = spread_ids("new", HashRing(addresses), [fourth], 12)
         try:
             for batch in router.split(seqs, [5 + 7 * i for i in range(12)]):
                 sessions[batch.server].chunk(batch.seq_ids, batch.q_lens)
@@ -196,7 +209,6 @@ def test_router_keeps_sequences_with_their_pages(private) -> None:
 
             router.add_server(fourth, joining)
             assert all(router.server_for(s) == placed[s] for s in seqs)  # with their pages
-            newcomers = [f"new-{i}" for i in range(12)]
             for batch in router.split(newcomers, [3] * 12):
                 sessions[batch.server].chunk(batch.seq_ids, batch.q_lens)
             assert any(router.server_for(s) == fourth for s in newcomers)
