@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/float_env.h"
 #include "kernels/cpu/work_plan.h"
 
 // How a launch runs:
@@ -826,7 +827,9 @@ ATTN_CPU_MULTIVERSION void MergeRow(const Launch& L, const Plan& plan, int seq, 
 
 void RunAttention(const Launch& L, ThreadPool& pool) {
   Plan plan = MakePlan(L, pool);
+  // Per item (a few microseconds at least), so the mode never outlives the kernels' own code.
   pool.ParallelFor(static_cast<int64_t>(plan.items.size()), [&](int64_t i) {
+    const ScopedFlushSubnormals flush;
     const WorkItem& it = plan.items[i];
     ProcessItem(L, plan.seqs[it.seq], it, plan.partials);
   });
@@ -839,6 +842,7 @@ void RunAttention(const Launch& L, ThreadPool& pool) {
   pool.ParallelFor(first_unit.back(), [&](int64_t unit) {
     const size_t i =
         std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+    const ScopedFlushSubnormals flush;
     MergeRow(L, plan, plan.split_seqs[i], static_cast<int>(unit - first_unit[i]));
   });
 }

@@ -19,6 +19,8 @@
 // - Append: k_new and v_new (ckv_new and kpe_new) are both set or both nullptr (then a no-op);
 //   kv_len[b] >= q_len[b] for every sequence (the page table already includes the new tokens).
 //
+// Subnormal floats count as zero inside the attention functions (float_env.h: they would run
+// several times slower); the caller's floating-point mode is left as it was.
 // Thread safety: the functions keep no state between calls; concurrent calls (also on one pool)
 // are safe as long as they do not write the same cache slots or outputs.
 // Memory: each thread that runs work keeps a thread-local scratch buffer, grown to the largest work
