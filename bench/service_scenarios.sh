@@ -64,7 +64,9 @@ if one and eight:
           f"({eight['tokens_per_s']:.0f} vs {one['tokens_per_s']:.0f} tokens/s, "
           f"{eight['merged_per_launch']:.2f} calls per launch)")
     print(f"service overhead, decode batch 64: p50 {one['server_overhead_us']['p50']:.0f} us, "
-          f"p99 {one['server_overhead_us']['p99']:.0f} us (kernel p50 {one['compute_us_p50']:.0f} us)")
+          f"p99 {one['server_overhead_us']['p99']:.0f} us (kernel p50 {one['compute_us_p50']:.0f} us); "
+          f"end to end (client latency - kernel) p50 {one['end_to_end_overhead_us']['p50']:.0f} us, "
+          f"p99 {one['end_to_end_overhead_us']['p99']:.0f} us")
 for name in ("decode_b64_beside_prefill", "decode_b64_beside_prefill_one_stream"):
     if name in r:
         c = r[name]["client_us"]
