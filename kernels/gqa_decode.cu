@@ -52,8 +52,9 @@ __global__ void __launch_bounds__(kThreads)
   auto* ring = reinterpret_cast<typename T::Ring*>(s_kv + kStages * 2 * T::kTileElems);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const WorkItem item = items[blockIdx.x];
-  const int kv_head = blockIdx.y;
+  const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
+  const WorkItem item = items[cta.item];
+  const int kv_head = cta.head;
   const int group = p.num_qo_heads / p.cache.num_kv_heads;
   const SeqExtent seq = GetSeqExtent(p.batch, p.cache.page_size, item.seq);
   const int num_rows = seq.q_len * group;
@@ -223,7 +224,7 @@ cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stre
   ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kernel, T::kSmemBytes));
   const RowSink sink{p.out, p.lse, plan.partial_out, plan.partial_lse, -1, 0,
                      p.num_qo_heads, kHeadDim, p.num_qo_heads / p.cache.num_kv_heads, 0};
-  const dim3 grid(plan.num_items, p.cache.num_kv_heads);
+  const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
   kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
   ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
   return cudaSuccess;
