@@ -185,6 +185,7 @@ v1::DecodeRequest DecodeOf(const Geometry& g, const Sequences& s, std::mt19937& 
 struct Sample {
   double client_us, queue_us, compute_us, total_us;
   int batch_requests;
+  double prepare_us, execute_us, finish_us;
 };
 
 struct Stats {
@@ -271,7 +272,9 @@ int Main() {
         if (!measuring.load()) continue;
         const v1::Timings& t = resp.timings();
         stats[c].samples.push_back({us, double(t.queue_us()), double(t.compute_us()),
-                                    double(t.total_us()), t.batch_requests()});
+                                    double(t.total_us()), t.batch_requests(),
+                                    double(t.prepare_us()), double(t.execute_us()),
+                                    double(t.finish_us())});
         stats[c].tokens += prefills.empty() ? batch : (bg ? background : prefill_tokens);
       }
     });
@@ -297,6 +300,15 @@ int Main() {
   const auto compute = col([](const Sample& s) { return s.compute_us; });
   const auto total = col([](const Sample& s) { return s.total_us; });
   const auto overhead = col([](const Sample& s) { return s.total_us - s.compute_us; });
+  // The server's overhead stage by stage: gathering inputs; copies, launches and the wait beyond
+  // the kernels; writing outputs; and the rest (validation, handing the call to the batcher
+  // thread and back).
+  const auto prepare = col([](const Sample& s) { return s.prepare_us; });
+  const auto transfer = col([](const Sample& s) { return s.execute_us - s.compute_us; });
+  const auto finish = col([](const Sample& s) { return s.finish_us; });
+  const auto rest = col([](const Sample& s) {
+    return s.total_us - s.queue_us - s.prepare_us - s.execute_us - s.finish_us;
+  });
   // What the caller pays beyond the kernel: the server's overhead plus gRPC on both ends.
   const auto end_to_end = col([](const Sample& s) { return s.client_us - s.compute_us; });
   double merged = 0;
@@ -318,6 +330,10 @@ int Main() {
               Percentile(queue, .5), Percentile(queue, .99), Percentile(compute, .5),
               Percentile(compute, .99), Percentile(total, .5), Percentile(total, .99),
               Percentile(overhead, .5), Percentile(overhead, .99));
+  std::printf("  overhead us p50: queue %.0f | prepare %.0f | execute - compute %.0f | finish %.0f | "
+              "rest %.0f\n",
+              Percentile(queue, .5), Percentile(prepare, .5), Percentile(transfer, .5),
+              Percentile(finish, .5), Percentile(rest, .5));
   std::printf("  end to end  client - compute p50 %.0f p99 %.0f\n", Percentile(end_to_end, .5),
               Percentile(end_to_end, .99));
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
@@ -332,7 +348,11 @@ int Main() {
       << ", \"p99\": " << Percentile(overhead, .99) << "}, \"end_to_end_overhead_us\": {\"p50\": "
       << Percentile(end_to_end, .5) << ", \"p99\": " << Percentile(end_to_end, .99)
       << "}, \"compute_us_p50\": "
-      << Percentile(compute, .5) << ", \"queue_us_p50\": " << Percentile(queue, .5) << "}\n";
+      << Percentile(compute, .5) << ", \"queue_us_p50\": " << Percentile(queue, .5)
+      << ", \"stage_us_p50\": {\"prepare\": " << Percentile(prepare, .5)
+      << ", \"execute_minus_compute\": " << Percentile(transfer, .5)
+      << ", \"finish\": " << Percentile(finish, .5) << ", \"rest\": " << Percentile(rest, .5)
+      << "}}\n";
   }
   return 0;
 }

@@ -16,10 +16,28 @@
 
 namespace attn {
 
+// Where a launch's time went, stage by stage, on the lane's thread.
 struct LaunchStats {
-  absl::Duration compute;        // append + attention (device time on the GPU)
+  absl::Duration prepare;  // merging the calls, planning, gathering inputs (pinned memory: GPU)
+  absl::Duration execute;  // waiting for the backend: GPU copies in, kernels, copies out, sync
+  absl::Duration finish;   // writing each call's outputs into its response
+  absl::Duration compute;  // append + attention within execute (device time on the GPU)
   int64_t bytes_in = 0;          // inputs moved to the backend (host-to-device on the GPU)
   int64_t bytes_out = 0;         // outputs moved back
+};
+
+// Cuts a lane's Run into consecutive stages: Next(&stage) sets `stage` to the time since the
+// previous mark (the first: since construction).
+class StageTimer {
+ public:
+  void Next(absl::Duration* stage) {
+    const absl::Time now = absl::Now();
+    *stage = now - last_;
+    last_ = now;
+  }
+
+ private:
+  absl::Time last_ = absl::Now();
 };
 
 class Lane {

@@ -180,7 +180,7 @@ void Batcher::Launch(std::vector<std::unique_ptr<PendingCall>> batch) {
     CallReport report;
     report.enqueued = p->enqueued;
     report.launched = now;
-    report.compute = stats.ok() ? stats->compute : absl::ZeroDuration();
+    if (stats.ok()) report.launch = *stats;
     report.batch_requests = static_cast<int>(calls.size());
     report.batch_tokens = tokens;
     Complete(*p, stats.status(), report);

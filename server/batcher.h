@@ -38,7 +38,7 @@ struct CallReport {
   absl::Time enqueued;
   absl::Time launched = absl::InfinitePast();  // InfinitePast: never reached the backend
   absl::Time finished;
-  absl::Duration compute;
+  LaunchStats launch;  // zero when the launch failed or never ran
   int batch_requests = 0;
   int batch_tokens = 0;
 };

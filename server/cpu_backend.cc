@@ -46,7 +46,8 @@ class CpuLane final : public Lane {
       : pool_(pool), op_(op), workers_(workers) {}
 
   absl::StatusOr<LaunchStats> Run(absl::Span<AttentionCall* const> calls) override {
-    const absl::Time start = absl::Now();
+    LaunchStats stats;
+    StageTimer timer;
     merged_.Build(calls);
     const PoolGeometry& g = pool_.geometry;
     const bool appends = calls.front()->appends();
@@ -81,6 +82,7 @@ class CpuLane final : public Lane {
       p.out = out_.data();
       p.lse = want_lse ? lse_.data() : nullptr;
       p.sm_scale = calls.front()->sm_scale;
+      timer.Next(&stats.prepare);
       cpu::GqaAppendKv(p, workers_);
       cpu::GqaAttention(p, workers_);
     } else {
@@ -109,13 +111,15 @@ class CpuLane final : public Lane {
       p.out = out_.data();
       p.lse = want_lse ? lse_.data() : nullptr;
       p.sm_scale = calls.front()->sm_scale;
+      timer.Next(&stats.prepare);
       cpu::MlaAppendKv(p, workers_);
       cpu::MlaAttention(p, workers_);
     }
+    timer.Next(&stats.execute);
+    stats.compute = stats.execute;
     ScatterOutputs(calls, merged_, out_.data(), out_dim * g.num_qo_heads * sizeof(bf16),
                    lse_.data(), g.num_qo_heads);
-    LaunchStats stats;
-    stats.compute = absl::Now() - start;
+    timer.Next(&stats.finish);
     stats.bytes_in = in_elems * static_cast<int64_t>(sizeof(bf16));
     stats.bytes_out = static_cast<int64_t>(out_.size() * sizeof(bf16) + lse_.size() * 4);
     return stats;

@@ -166,6 +166,8 @@ class CudaLane final : public Lane {
   absl::StatusOr<LaunchStats> Run(absl::Span<AttentionCall* const> calls) override {
     if (state_.poisoned()) return state_.Poisoned();
     RETURN_IF_CUDA_ERROR(state_, cudaSetDevice(device_));  // the current device is per thread
+    LaunchStats stats;
+    StageTimer timer;
     const PoolGeometry& g = pool_.geometry;
     const bool gqa = g.kind == PoolKind::kGqa;
     merged_.Build(calls);
@@ -267,6 +269,7 @@ class CudaLane final : public Lane {
     float* dlse = want_lse ? reinterpret_cast<float*>(outputs_.device() + lse_at) : nullptr;
     auto din = [&](size_t at) { return reinterpret_cast<const bf16*>(d + at); };
 
+    timer.Next(&stats.prepare);
     RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(d, h, in.size(), cudaMemcpyHostToDevice, stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(start_, stream_));
     const float sm_scale = calls.front()->sm_scale;
@@ -302,13 +305,14 @@ class CudaLane final : public Lane {
     RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(outputs_.host(), outputs_.device(), out.size(),
                                                  cudaMemcpyDeviceToHost, stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaStreamSynchronize(stream_));
+    timer.Next(&stats.execute);
 
     ScatterOutputs(calls, merged_, outputs_.host() + out_at, heads * out_dim * 2,
                    reinterpret_cast<const float*>(outputs_.host() + lse_at),
                    static_cast<int>(heads));
+    timer.Next(&stats.finish);
     float ms = 0.f;
     RETURN_IF_CUDA_ERROR(state_, cudaEventElapsedTime(&ms, start_, stop_));
-    LaunchStats stats;
     stats.compute = absl::Microseconds(static_cast<int64_t>(ms * 1e3));
     stats.bytes_in = static_cast<int64_t>(in.size());
     stats.bytes_out = static_cast<int64_t>(out.size());

@@ -90,6 +90,11 @@ Metrics::Metrics(const std::string& version, const std::string& backend,
                      .Name("attn_kernel_duration_seconds")
                      .Help("Append + attention time of a launch (device time on the GPU)")
                      .Register(*registry_);
+  auto& stage = prometheus::BuildHistogram()
+                    .Name("attn_launch_stage_seconds")
+                    .Help("Time of each stage of a launch: prepare (merge, plan, gather inputs), "
+                          "execute (copies and kernels), finish (write outputs)")
+                    .Register(*registry_);
   auto& batch_requests = prometheus::BuildHistogram()
                              .Name("attn_batch_requests")
                              .Help("Calls merged into one launch")
@@ -100,10 +105,16 @@ Metrics::Metrics(const std::string& version, const std::string& backend,
                            .Register(*registry_);
   for (Op op : {Op::kPrefill, Op::kDecode}) {
     const prometheus::Labels labels{{"op", OpName(op)}};
-    ops_[static_cast<int>(op)] = OpMetrics{
-        &queue_wait.Add(labels, LatencyBuckets()), &kernel.Add(labels, LatencyBuckets()),
-        &batch_requests.Add(labels, PowersOfTwo(1024)),
-        &batch_tokens.Add(labels, PowersOfTwo(1 << 20))};
+    auto stage_series = [&](const char* name) {
+      return &stage.Add({{"op", OpName(op)}, {"stage", name}}, LatencyBuckets());
+    };
+    ops_[static_cast<int>(op)] = OpMetrics{&queue_wait.Add(labels, LatencyBuckets()),
+                                           &kernel.Add(labels, LatencyBuckets()),
+                                           stage_series("prepare"),
+                                           stage_series("execute"),
+                                           stage_series("finish"),
+                                           &batch_requests.Add(labels, PowersOfTwo(1024)),
+                                           &batch_tokens.Add(labels, PowersOfTwo(1 << 20))};
   }
   prometheus::BuildGauge()
       .Name("attn_build_info")
@@ -162,6 +173,9 @@ void Metrics::OnPagesReclaimed(const std::string& pool, int pages) {
 void Metrics::OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) {
   const OpMetrics& m = ops_[static_cast<int>(op)];
   m.kernel->Observe(Seconds(stats.compute));
+  m.prepare->Observe(Seconds(stats.prepare));
+  m.execute->Observe(Seconds(stats.execute));
+  m.finish->Observe(Seconds(stats.finish));
   m.batch_requests->Observe(requests);
   m.batch_tokens->Observe(tokens);
   bytes_in_.Increment(static_cast<double>(stats.bytes_in));

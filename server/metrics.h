@@ -55,6 +55,9 @@ class Metrics final : public BatchObserver {
   struct OpMetrics {
     prometheus::Histogram* queue_wait;
     prometheus::Histogram* kernel;
+    prometheus::Histogram* prepare;  // attn_launch_stage_seconds by stage
+    prometheus::Histogram* execute;
+    prometheus::Histogram* finish;
     prometheus::Histogram* batch_requests;
     prometheus::Histogram* batch_tokens;
   };

@@ -16,6 +16,7 @@ TEST(MetricsTest, ExposesEveryFamilyWithItsType) {
   const std::string text = m.Scrape();
   for (const char* family :
        {"# TYPE attn_queue_wait_seconds histogram", "# TYPE attn_kernel_duration_seconds histogram",
+        "# TYPE attn_launch_stage_seconds histogram",
         "# TYPE attn_batch_requests histogram", "# TYPE attn_batch_tokens histogram",
         "# TYPE attn_transfer_bytes_total counter", "# TYPE attn_inflight_requests gauge",
         "# TYPE attn_build_info gauge"}) {
@@ -49,6 +50,9 @@ TEST(MetricsTest, LaunchesPoolsAndTransfers) {
   Metrics m("v", "cpu", "d");
   LaunchStats stats;
   stats.compute = absl::Milliseconds(2);
+  stats.prepare = absl::Microseconds(40);
+  stats.execute = absl::Milliseconds(3);
+  stats.finish = absl::Microseconds(60);
   stats.bytes_in = 1000;
   stats.bytes_out = 10;
   m.OnLaunch(Op::kDecode, 3, 24, stats);
@@ -64,6 +68,10 @@ TEST(MetricsTest, LaunchesPoolsAndTransfers) {
   EXPECT_TRUE(Has(text, R"(attn_batch_tokens_sum{op="decode"} 24)"));
   EXPECT_TRUE(Has(text, R"(attn_kernel_duration_seconds_count{op="decode"} 1)"));
   EXPECT_TRUE(Has(text, R"(attn_queue_wait_seconds_count{op="decode"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="prepare"} 4e-05)"))
+      << text;
+  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="execute"} 0.003)"));
+  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="finish"} 6e-05)"));
   EXPECT_TRUE(Has(text, R"(attn_transfer_bytes_total{direction="in"} 1000)"));
   EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="free"} 90)"));
   EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="used"} 10)"));

@@ -339,7 +339,10 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
     if (st.ok()) {
       v1::Timings* t = call.response.mutable_timings();
       t->set_queue_us(Micros(report.launched - report.enqueued));
-      t->set_compute_us(Micros(report.compute));
+      t->set_compute_us(Micros(report.launch.compute));
+      t->set_prepare_us(Micros(report.launch.prepare));
+      t->set_execute_us(Micros(report.launch.execute));
+      t->set_finish_us(Micros(report.launch.finish));
       t->set_total_us(Micros(report.finished - call.arrived));
       t->set_batch_requests(report.batch_requests);
     }

@@ -16,7 +16,7 @@ REQUIRED_PANELS = [
     "Calls by method and code",
     "Errors by method and code",
     "Call latency by method (p50, p90, p99)",
-    "Queue wait vs kernel time by op (p50, p99)",
+    "Queue wait, kernel time and launch stages by op",
     "Calls per launch by op",
     "Query tokens per launch by op",
     "Pool usage by server and pool",

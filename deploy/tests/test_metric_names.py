@@ -292,6 +292,7 @@ def test_server_exports_the_expected_families(exported) -> None:
         "attn_page_alloc_failures_total",
         "attn_rpc_duration_seconds_bucket",
         "attn_kernel_duration_seconds_bucket",
+        "attn_launch_stage_seconds_bucket",
         "attn_kv_pages",
     ):
         assert name in exported, f"{name} missing from the scrape"

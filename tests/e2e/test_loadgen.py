@@ -44,3 +44,6 @@ def test_loadgen_reports_a_short_run(server, tmp_path: Path, pool: str, flags: l
     # Per call, client latency >= server total, so the end-to-end overhead is never below the
     # server's own (and percentiles keep that order).
     assert 0 <= r["server_overhead_us"]["p50"] <= r["end_to_end_overhead_us"]["p50"]
+    # The overhead's stages are each non-negative (rest = total minus the timed stages).
+    assert "execute - compute" in run.stdout
+    assert all(v >= 0 for v in r["stage_us_p50"].values()), r["stage_us_p50"]

@@ -53,6 +53,7 @@ FAMILIES = {
     "attn_rpc_requests_total": "counter",
     "attn_queue_wait_seconds": "histogram",
     "attn_kernel_duration_seconds": "histogram",
+    "attn_launch_stage_seconds": "histogram",
     "attn_batch_requests": "histogram",
     "attn_batch_tokens": "histogram",
     "attn_kv_pages": "gauge",
@@ -98,6 +99,9 @@ def test_metrics_are_exported_and_move(private) -> None:
     assert sample(text, "attn_batch_tokens_sum", op="prefill") == 57
     assert sample(text, "attn_kernel_duration_seconds_count", op="decode") == 1
     assert sample(text, "attn_queue_wait_seconds_count", op="decode") == 1
+    for stage in ("prepare", "execute", "finish"):
+        assert sample(text, "attn_launch_stage_seconds_count", op="decode", stage=stage) == 1
+    assert sample(text, "attn_launch_stage_seconds_sum", op="decode", stage="execute") > 0
     assert sample(text, "attn_transfer_bytes_total", direction="in") > 0
     assert sample(text, "attn_transfer_bytes_total", direction="out") > 0
     assert sample(text, "attn_inflight_requests") == 0
@@ -147,6 +151,19 @@ def test_concurrent_calls_merge_and_match_sequential_results(private) -> None:
         assert np.array_equal(a.output, b.output) and np.array_equal(a.lse, b.lse)
     assert launches - launches_before < clients, "concurrent calls were not merged"
     assert max(r.timings.batch_requests for r in together) > 1
+
+
+def test_timings_break_a_call_down_by_stage(private) -> None:
+    server = private(one_pool())
+    with Client(server.address) as client:
+        pool = client.pool_info(POOL)
+        pages = client.allocate_pages(4, pool=POOL)
+        request = decode_request(pool, pages, 50, np.random.default_rng(3))
+        t = client.call_decode(request).timings
+    # The stages of the launch run one after another inside the call's server time.
+    assert t.execute_us > 0 and 0 <= t.compute_us <= t.execute_us
+    assert t.prepare_us >= 0 and t.finish_us >= 0
+    assert t.queue_us + t.prepare_us + t.execute_us + t.finish_us <= t.total_us
 
 
 def test_full_queue_answers_resource_exhausted_with_a_retry_hint(private) -> None:

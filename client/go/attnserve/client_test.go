@@ -121,7 +121,8 @@ func (f *fakeServer) Decode(ctx context.Context, r *pb.DecodeRequest) (*pb.Atten
 	f.sawSession(r.Session)
 	out := BF16TensorFromFloat32([]float32{1, 2}, 1, 1, 2)
 	resp := &pb.AttentionResponse{Output: out.Proto(),
-		Timings: &pb.Timings{QueueUs: 5, ComputeUs: 7, TotalUs: 20, BatchRequests: 3}}
+		Timings: &pb.Timings{QueueUs: 5, ComputeUs: 7, TotalUs: 20, BatchRequests: 3,
+			PrepareUs: 2, ExecuteUs: 8, FinishUs: 1}}
 	if r.ReturnLse {
 		resp.Lse = F32Tensor{Shape: []int{1, 1}, Data: []float32{0.25}}.Proto()
 	}
@@ -233,7 +234,8 @@ func TestRetriesUnavailable(t *testing.T) {
 		t.Fatalf("retry events %+v", events)
 	}
 	if res.Output.NumElements() != 2 || res.LSE.Data[0] != 0.25 || res.Timings.Compute != 7*time.Microsecond ||
-		res.Timings.BatchRequests != 3 {
+		res.Timings.BatchRequests != 3 || res.Timings.Prepare != 2*time.Microsecond ||
+		res.Timings.Execute != 8*time.Microsecond || res.Timings.Finish != time.Microsecond {
 		t.Fatalf("result %+v", res)
 	}
 

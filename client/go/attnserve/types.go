@@ -219,9 +219,12 @@ func optTensor(t BF16Tensor) *pb.Tensor {
 // Timings is the server-side time of one call (attention.proto Timings).
 type Timings struct {
 	Queue         time.Duration // from validation until the call's batch started
-	Compute       time.Duration // the batch's append + attention on the backend
+	Compute       time.Duration // the batch's append + attention on the backend (within Execute)
 	Total         time.Duration // from the call's arrival to its completion
 	BatchRequests int           // calls merged into the launch that served this one
+	// The launch's stages: gathering inputs, the backend's work (GPU: copies in, kernels,
+	// copies out), writing outputs.
+	Prepare, Execute, Finish time.Duration
 }
 
 // AttentionResult is what Prefill and Decode return.
@@ -251,6 +254,9 @@ func resultFromProto(r *pb.AttentionResponse) (*AttentionResult, error) {
 		Compute:       time.Duration(t.GetComputeUs()) * time.Microsecond,
 		Total:         time.Duration(t.GetTotalUs()) * time.Microsecond,
 		BatchRequests: int(t.GetBatchRequests()),
+		Prepare:       time.Duration(t.GetPrepareUs()) * time.Microsecond,
+		Execute:       time.Duration(t.GetExecuteUs()) * time.Microsecond,
+		Finish:        time.Duration(t.GetFinishUs()) * time.Microsecond,
 	}
 	return res, nil
 }

@@ -54,10 +54,16 @@ class Timings:
     compute_us: int
     total_us: int
     batch_requests: int
+    # The launch's stages: gathering inputs, the backend's work (GPU: copies in, kernels,
+    # copies out; compute_us is part of it), writing outputs.
+    prepare_us: int = 0
+    execute_us: int = 0
+    finish_us: int = 0
 
     @classmethod
     def from_proto(cls, t: pb.Timings) -> Timings:
-        return cls(t.queue_us, t.compute_us, t.total_us, t.batch_requests)
+        return cls(t.queue_us, t.compute_us, t.total_us, t.batch_requests, t.prepare_us,
+                   t.execute_us, t.finish_us)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,15 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
             out, lse = gqa_reference(pool.mirror, request.layer, table, q, scale)
         response = pb.AttentionResponse(
             output=pack_tensor(out.astype(np.float32)),
-            timings=pb.Timings(queue_us=1, compute_us=2, total_us=3, batch_requests=1),
+            timings=pb.Timings(
+                queue_us=1,
+                compute_us=2,
+                total_us=9,
+                batch_requests=1,
+                prepare_us=3,
+                execute_us=4,
+                finish_us=5,
+            ),
         )
         if request.return_lse:
             response.lse.CopyFrom(pack_tensor(lse.astype(np.float32), pb.DTYPE_FP32))

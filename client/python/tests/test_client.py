@@ -54,6 +54,8 @@ def test_prefill_and_decode_round_trip(client: Client) -> None:
     assert result.output.dtype == np.float32 and result.output.shape == (6, 4, 8)
     assert check_close(result.output, out).ok and check_close(result.lse, lse).ok
     assert result.timings.batch_requests == 1
+    assert (result.timings.prepare_us, result.timings.execute_us, result.timings.finish_us) == (
+        3, 4, 5)  # fmt: skip
 
     table.reserve("s", 1)
     dcsr = table.csr(["s"])
