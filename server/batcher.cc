@@ -86,6 +86,9 @@ bool Batcher::WaitForBatch() {
   if (stopping_) return true;
   // Hold the oldest call at most max_queue_delay, less when a full batch is already queued.
   const absl::Time due = queue_.front()->enqueued + options_.max_queue_delay;
+  // A timed wait whose deadline has already passed still sleeps (for the thread's timer slack,
+  // 50 us by default): with no delay left, launch at once.
+  if (absl::Now() >= due) return true;
   mu_.AwaitWithDeadline(absl::Condition(
                             +[](Batcher* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
                               return b->stopping_ ||

@@ -1,5 +1,7 @@
 #include "server/batcher.h"
 
+#include <sys/prctl.h>
+
 #include <atomic>
 #include <memory>
 #include <vector>
@@ -106,6 +108,25 @@ TEST_F(BatcherTest, ZeroDelayLaunchesAtOnce) {
   ASSERT_TRUE(b->Submit(MakeCall(1, &out)).ok());
   ASSERT_TRUE(out.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
   EXPECT_LT(out.report.launched - out.report.enqueued, absl::Milliseconds(100));
+}
+
+// With no delay to wait for, a lone call must not go through a timed wait at all: a timed wait
+// whose deadline has already passed still sleeps for the thread's timer slack (50 us by default,
+// which every zero-delay call used to pay). A 1 s slack, inherited by the batcher's thread, makes
+// such a sleep unmistakable (0.5-1 s per call before the fix, microseconds after).
+TEST_F(BatcherTest, ZeroDelayNeverSleepsOnATimer) {
+  const int old_slack = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+  ASSERT_EQ(prctl(PR_SET_TIMERSLACK, 1'000'000'000UL, 0, 0, 0), 0);
+  BatchingOptions o;
+  o.max_queue_delay = absl::ZeroDuration();
+  auto b = Start(o);
+  ASSERT_EQ(prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(old_slack), 0, 0, 0), 0);
+  for (int i = 0; i < 5; ++i) {
+    Outcome out;
+    ASSERT_TRUE(b->Submit(MakeCall(i, &out)).ok());
+    ASSERT_TRUE(out.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+    EXPECT_LT(out.report.launched - out.report.enqueued, absl::Milliseconds(200)) << "call " << i;
+  }
 }
 
 TEST_F(BatcherTest, MergesCallsQueuedBehindARunningLaunchInFifoOrder) {
