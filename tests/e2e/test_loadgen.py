@@ -4,17 +4,18 @@ report consistent numbers and give back every page (the no_page_leaks fixture ch
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import DEFAULT_BIN
+# launcher, not conftest: with client/python/tests in the same run, "conftest" may name the
+# other directory's module.
+from launcher import binary
 
 
 def loadgen_binary() -> Path:
-    return Path(os.environ.get("ATTNSERVE_BIN", DEFAULT_BIN)).with_name("attn_loadgen")
+    return binary().with_name("attn_loadgen")
 
 
 @pytest.mark.parametrize(
