@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -55,7 +56,7 @@ def test_hashes_are_the_same_in_every_process() -> None:
     for seed in ("1", "2"):
         out = subprocess.run(
             [sys.executable, "-c", code],
-            env={"PYTHONHASHSEED": seed},
+            env={**os.environ, "PYTHONHASHSEED": seed},  # keep PYTHONPATH and the like
             capture_output=True,
             text=True,
             check=True,
