@@ -44,7 +44,18 @@ struct AttentionCall {
   std::string* out = nullptr;
   std::string* lse = nullptr;
 
+  // The pages the appended rows land in, as AppendKey(page, layer); empty when nothing is
+  // appended. Validation has checked that no two sequences of the call share one.
+  std::vector<int64_t> append_pages;
+
   bool appends() const { return k_new != nullptr; }
 };
+
+// One page of one layer (a page id holds every layer's rows of its tokens).
+inline int64_t AppendKey(int32_t page, int layer) {
+  return (int64_t{page} << 32) | static_cast<uint32_t>(layer);
+}
+inline int32_t AppendKeyPage(int64_t key) { return static_cast<int32_t>(key >> 32); }
+inline int AppendKeyLayer(int64_t key) { return static_cast<int>(key & 0xffffffff); }
 
 }  // namespace attn

@@ -32,7 +32,9 @@ class RecordingLane final : public Lane {
     for (const AttentionCall* c : calls) tags.push_back(c->layer);  // the test's tag
     shared_->batches.push_back(tags);
     --shared_->running;
-    return LaunchStats{absl::Microseconds(1)};
+    LaunchStats stats;
+    stats.compute = absl::Microseconds(1);
+    return stats;
   }
 
  private:

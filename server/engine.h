@@ -27,6 +27,7 @@ class Engine {
     Pool(PoolGeometry g) : geometry(std::move(g)), pages(geometry.num_pages) {}
     const PoolGeometry geometry;
     PagePool pages;
+    AppendLocks appends;  // pages unfinished calls append to
     std::unique_ptr<Batcher> prefill;
     std::unique_ptr<Batcher> decode;
     Batcher& batcher(Op op) { return op == Op::kPrefill ? *prefill : *decode; }

@@ -89,6 +89,25 @@ void PagePool::Unpin(absl::Span<const int32_t> ids) {
   }
 }
 
+absl::Status AppendLocks::Acquire(absl::Span<const int64_t> keys) {
+  absl::MutexLock lock(&mu_);
+  for (int64_t key : keys) {
+    if (held_.contains(key)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "page ", AppendKeyPage(key), " (layer ", AppendKeyLayer(key),
+          ") is being appended to by another unfinished Prefill or Decode; a sequence's calls "
+          "that append must not overlap"));
+    }
+  }
+  held_.insert(keys.begin(), keys.end());
+  return absl::OkStatus();
+}
+
+void AppendLocks::Release(absl::Span<const int64_t> keys) {
+  absl::MutexLock lock(&mu_);
+  for (int64_t key : keys) held_.erase(key);
+}
+
 int PagePool::ReleaseOwner(SessionId owner) {
   absl::MutexLock lock(&mu_);
   int released = 0;

@@ -12,10 +12,12 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "server/attention_call.h"
 #include "server/sessions.h"
 
 namespace attn {
@@ -65,6 +67,21 @@ class PagePool {
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);
   std::vector<SessionId> owner_ ABSL_GUARDED_BY(mu_);  // [num_pages_]: 0 = free
   std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);     // [num_pages_]
+};
+
+// The pages unfinished calls append to, per layer (AppendKey). Two calls appending to the same
+// page of the same layer at once would race on the device, one overwriting the other's rows; the
+// later one is refused instead. Thread safe.
+class AppendLocks {
+ public:
+  // Takes every key or none: FAILED_PRECONDITION naming the first page another call holds.
+  absl::Status Acquire(absl::Span<const int64_t> keys);
+  // Gives back keys taken by a successful Acquire.
+  void Release(absl::Span<const int64_t> keys);
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_set<int64_t> held_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attn

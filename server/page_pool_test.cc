@@ -128,6 +128,23 @@ TEST(PagePoolTest, PinnedPagesAreNotFreedUntilTheirCallsFinish) {
   ExpectInvariant(pool);
 }
 
+TEST(AppendLocksTest, OneAppendingCallPerPageAndLayer) {
+  AppendLocks locks;
+  const std::vector<int64_t> first{AppendKey(3, 0), AppendKey(4, 0)};
+  ASSERT_TRUE(locks.Acquire(first).ok());
+  // Another layer of the same page is another set of rows.
+  EXPECT_TRUE(locks.Acquire(std::vector<int64_t>{AppendKey(3, 1)}).ok());
+  // Overlapping the first call: refused, and nothing of it taken.
+  const absl::Status st = locks.Acquire(std::vector<int64_t>{AppendKey(5, 0), AppendKey(4, 0)});
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(st.message().find("page 4 (layer 0)"), std::string::npos) << st;
+  EXPECT_TRUE(locks.Acquire(std::vector<int64_t>{AppendKey(5, 0)}).ok());
+  // Once the first call finishes its pages can be appended to again.
+  locks.Release(first);
+  EXPECT_TRUE(locks.Acquire(std::vector<int64_t>{AppendKey(4, 0)}).ok());
+  EXPECT_TRUE(locks.Acquire({}).ok());
+}
+
 TEST(PagePoolTest, ReleaseOwnerLeavesOtherSessionsAlone) {
   PagePool pool(6);
   auto a = pool.Allocate(2, kA);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/status_macros.h"
@@ -198,17 +199,35 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
   }
   call.return_lse = req.return_lse();
 
-  // Appended rows take the last q_len positions of each sequence, so they must fit in kv_len.
+  // Appended rows take the last q_len positions of each sequence, so they must fit in kv_len,
+  // and the pages they land in belong to that sequence alone (two writers of one page would
+  // race on the device).
   if (call.appends()) {
     const PagedBatch view{batch, call.total_q,
                           call.qo_indptr.empty() ? nullptr : call.qo_indptr.data(),
                           call.kv_indptr.data(), nullptr, call.kv_last_page_len.data(), nullptr};
+    absl::flat_hash_map<int32_t, int> writer;  // page -> the sequence appending to it
     for (int b = 0; b < batch; ++b) {
       const SeqExtent e = GetSeqExtent(view, pool.page_size, b);
       if (e.q_len > e.kv_len) {
         return absl::InvalidArgumentError(
             absl::StrCat("sequence ", b, " appends ", e.q_len, " tokens but its page table holds ",
                          e.kv_len, "; the page table must include the appended tokens"));
+      }
+      if (e.q_len == 0) continue;
+      for (int i = (e.kv_len - e.q_len) / pool.page_size; i <= (e.kv_len - 1) / pool.page_size;
+           ++i) {
+        const int32_t page = call.kv_indices[e.page_begin + i];
+        const auto [it, inserted] = writer.try_emplace(page, b);
+        if (!inserted) {
+          return absl::InvalidArgumentError(
+              it->second == b
+                  ? absl::StrCat("sequence ", b, " appends to page ", page,
+                                 " at two positions (its page table lists the page twice)")
+                  : absl::StrCat("sequences ", it->second, " and ", b, " both append to page ",
+                                 page, "; appended rows must go to pages of their own sequence"));
+        }
+        call.append_pages.push_back(AppendKey(page, call.layer));
       }
     }
   }

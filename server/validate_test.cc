@@ -96,6 +96,36 @@ TEST_F(ValidateTest, AcceptsValidGqaPrefill) {
   EXPECT_TRUE(call->return_lse);
   EXPECT_FLOAT_EQ(call->sm_scale, 1.0f / 8.0f);  // 1/sqrt(64) by default
   EXPECT_EQ(call->kv_last_page_len, (std::vector<int32_t>{2, 1}));
+  // Rows 3..5 of sequence 0 land in its pages 0 and 1, rows 7..8 of sequence 1 in pages 3 and 4.
+  EXPECT_EQ(call->append_pages, (std::vector<int64_t>{AppendKey(0, 1), AppendKey(1, 1),
+                                                      AppendKey(3, 1), AppendKey(4, 1)}));
+}
+
+TEST_F(ValidateTest, AppendedPagesBelongToOneSequence) {
+  // Sequence 1 reading sequence 0's page 0 as a shared prefix is fine...
+  PrefillRequest shared = ValidGqaPrefill();
+  shared.set_kv_indices(2, 0);  // sequence 1: pages 0, 3, 4
+  auto call = ValidatePrefill(shared, gqa_);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_EQ(call->append_pages.size(), 4u);
+
+  // ...appending to it is not: the two sequences would write the same page.
+  PrefillRequest both = ValidGqaPrefill();
+  both.set_kv_indices(3, 1);  // sequence 1: pages 2, 1, 4; its row 7 lands in page 1
+  auto bad = ValidatePrefill(both, gqa_);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("sequences 0 and 1 both append to page 1"),
+            std::string::npos)
+      << bad.status();
+
+  PrefillRequest twice = ValidGqaPrefill();
+  twice.set_kv_indices(1, 0);  // sequence 0: pages 0, 0
+  auto bad_twice = ValidatePrefill(twice, gqa_);
+  ASSERT_FALSE(bad_twice.ok());
+  EXPECT_NE(bad_twice.status().message().find("sequence 0 appends to page 0 at two positions"),
+            std::string::npos)
+      << bad_twice.status();
 }
 
 TEST_F(ValidateTest, AcceptsValidMlaDecode) {

@@ -25,9 +25,10 @@ from workload import PoolSession
 POOL = "p"
 
 
-def one_pool(heads: int = 8, kv_heads: int = 2, head_dim: int = 64, pages: int = 4096):
+def one_pool(heads: int = 8, kv_heads: int = 2, head_dim: int = 64, pages: int = 4096,
+             layers: int = 1):  # fmt: skip
     config = config_pb.ServerConfig()
-    config.pools.add(name=POOL, kind=pb.POOL_KIND_GQA, num_layers=1, page_size=16,
+    config.pools.add(name=POOL, kind=pb.POOL_KIND_GQA, num_layers=layers, page_size=16,
                      num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                      num_pages=pages)  # fmt: skip
     return config
@@ -164,6 +165,43 @@ def test_timings_break_a_call_down_by_stage(private) -> None:
     assert t.execute_us > 0 and 0 <= t.compute_us <= t.execute_us
     assert t.prepare_us >= 0 and t.finish_us >= 0
     assert t.queue_us + t.prepare_us + t.execute_us + t.finish_us <= t.total_us
+
+
+def append_request(pool: pb.PoolInfo, pages: list[int], tokens: int, rng, layer: int = 0):
+    """decode_request that also appends the last token's K/V (it lands in the last page)."""
+    request = decode_request(pool, pages, tokens, rng)
+    request.layer = layer
+    for field in (request.k_new, request.v_new):
+        kv = rng.standard_normal((1, pool.num_kv_heads, pool.head_dim), dtype=np.float32)
+        field.CopyFrom(pack_tensor(float_to_bf16(kv), pb.DTYPE_BF16))
+    return request
+
+
+def test_overlapping_appends_to_one_page_are_refused(private) -> None:
+    # A long batching window keeps the first call queued, holding the page it appends to.
+    server = private(one_pool(layers=2), "--max_queue_delay_us=1000000")
+    rng = np.random.default_rng(6)
+    with Client(server.address) as client:
+        pool = client.pool_info(POOL)
+        pages = client.allocate_pages(4, pool=POOL)
+        done = []
+        first = threading.Thread(
+            target=lambda: done.append(client.call_decode(append_request(pool, pages, 50, rng)))
+        )
+        first.start()
+        time.sleep(0.3)
+        with pytest.raises(AttnError) as clash:
+            client.call_decode(append_request(pool, pages, 50, rng))
+        assert clash.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "being appended to" in str(clash.value)
+        # The same page of another layer holds other rows: no conflict.
+        client.call_decode(append_request(pool, pages, 50, rng, layer=1))
+        first.join()
+        assert len(done) == 1
+        # Once the first call finished, its page takes appends again.
+        client.call_decode(append_request(pool, pages, 50, rng))
+        client.free_pages(pages, pool=POOL)  # nothing still pinned
+        assert client.pool_info(POOL).free_pages == pool.free_pages
 
 
 def test_full_queue_answers_resource_exhausted_with_a_retry_hint(private) -> None:
