@@ -331,19 +331,25 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
   }
   // The pages this call appends to stay its own until it finishes.
   AppendLocks& appends = (*pool)->appends;
-  std::vector<int64_t> appended = attention->append_pages;
-  if (absl::Status st = appends.Acquire(appended); !st.ok()) {
+  if (absl::Status st = appends.Acquire(attention->append_pages); !st.ok()) {
     pages.Unpin(pinned);
     Release();
     return call.Complete(st);
   }
+  // How the call ends once admitted, whether or not it ran: its pages go back, then it finishes.
+  auto end = [this, &call, &pages, pinned, &appends,
+              appended = attention->append_pages](const absl::Status& st) {
+    appends.Release(appended);
+    pages.Unpin(pinned);
+    call.Complete(st);
+    Release();
+  };
   grpc::CallbackServerContext* ctx = call.ctx;
   auto pending = std::make_unique<PendingCall>();
   pending->call = *std::move(attention);
   pending->deadline = ToAbslTime(ctx->deadline());
   pending->is_cancelled = [ctx] { return ctx->IsCancelled(); };
-  pending->done = [this, &call, &pages, pinned, &appends, appended](const absl::Status& st,
-                                                                    const CallReport& report) {
+  pending->done = [&call, end](const absl::Status& st, const CallReport& report) {
     if (st.ok()) {
       v1::Timings* t = call.response.mutable_timings();
       t->set_queue_us(Micros(report.launched - report.enqueued));
@@ -354,10 +360,7 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
       t->set_total_us(Micros(report.finished - call.arrived));
       t->set_batch_requests(report.batch_requests);
     }
-    appends.Release(appended);
-    pages.Unpin(pinned);
-    call.Complete(st);
-    Release();
+    end(st);
   };
   Batcher& batcher = (*pool)->batcher(op);
   if (absl::Status st = batcher.Submit(std::move(pending)); !st.ok()) {
@@ -366,10 +369,7 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
       ctx->AddTrailingMetadata("grpc-retry-pushback-ms",
                                absl::StrCat(absl::ToInt64Milliseconds(batcher.RetryHint())));
     }
-    appends.Release(appended);
-    pages.Unpin(pinned);
-    call.Complete(st);
-    Release();
+    end(st);
   }
 }
 
