@@ -1,4 +1,4 @@
-// Throughput of the CPU attention backend on shapes from docs/attention-semantics.md.
+// Throughput of the CPU attention backend on shapes from docs/design.md ("Attention semantics").
 // Decode reports KV_GB/s (bf16 K/V bytes a call must read / time); prefill reports GFLOP/s
 // (4 * head_dim flops per visible (query head, key) pair, causal). The thread count is the
 // pool's workers plus the caller; pass --benchmark_filter to pick shapes.

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/plan.h"
+#include "kernels/cuda/plan.h"
 #include "kernels/testing/device_batch.h"
 #include "kernels/testing/paged_batch_builder.h"
 

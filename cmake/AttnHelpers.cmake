@@ -1,5 +1,5 @@
 # attn_cc_library(NAME name SRCS ... [HDRS ...] [DEPS ...])
-#   A static library whose includes are rooted at the repository root ("server/page_pool.h").
+#   A static library whose includes are rooted at the repository root ("server/engine/page_pool.h").
 # attn_cc_test(NAME name SRCS ... [DEPS ...] [LABELS ...])
 #   A GoogleTest binary registered with CTest, one CTest entry per test case.
 function(attn_cc_library)

@@ -7,10 +7,10 @@
 //   bit 2:    0 = attnserve.v1.PrefillRequest, 1 = DecodeRequest
 //   bit 3:    run the call twice in one launch (merged batch of two calls)
 // Steps: parse; resolve the request's `session` handle (if any) in a SessionTable; validate against
-// the pool (server/validate.h); pin kv_indices in a PagePool where pages 0 .. num_pages - 4 are
+// the pool (server/api/validate.h); pin kv_indices in a PagePool where pages 0 .. num_pages - 4 are
 // owned by the caller's session, the next two by another session and the last one is free; reject
 // calls whose attention work exceeds kWorkBudget (one input must not take seconds); run the call on
-// a fresh CPU backend (server/cpu_backend.h, caller thread only); unpin.
+// a fresh CPU backend (server/backends/cpu_backend.h, caller thread only); unpin.
 //
 // Besides sanitizer reports, the target aborts when an API contract is broken: a validation error
 // that is not INVALID_ARGUMENT, a pin error other than INVALID_ARGUMENT / FAILED_PRECONDITION, a
@@ -30,12 +30,13 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/backend.h"
-#include "server/cpu_backend.h"
-#include "server/page_pool.h"
-#include "server/pool_geometry.h"
-#include "server/sessions.h"
-#include "server/validate.h"
+#include "server/engine/backend.h"
+#include "server/backends/cpu_backend.h"
+#include "server/engine/page_pool.h"
+#include "server/engine/pool_geometry.h"
+#include "server/engine/sessions.h"
+#include "server/api/pool_config.h"
+#include "server/api/validate.h"
 
 namespace attn {
 namespace {

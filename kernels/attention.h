@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "kernels/common/bf16.h"
+#include "kernels/bf16.h"
 
 #if defined(__CUDACC__)
 #define ATTN_HOST_DEVICE __host__ __device__ __forceinline__

@@ -1,5 +1,5 @@
 // attnserve: the attention server. With no arguments it serves the embedded default (see
-// server/config.h) on 127.0.0.1:50051; --config=FILE names a text-format ServerConfig, and the
+// server/api/config.h) on 127.0.0.1:50051; --config=FILE names a text-format ServerConfig, and the
 // flags below override single settings.
 #include <pthread.h>
 #include <signal.h>
@@ -18,19 +18,21 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "server/auth.h"
-#include "server/backend_factory.h"
-#include "server/config.h"
-#include "server/engine.h"
-#include "server/metrics.h"
-#include "server/service.h"
-#include "server/status_macros.h"
+#include "server/rpc/auth.h"
+#include "server/backends/backend_factory.h"
+#include "server/api/config.h"
+#include "server/engine/engine.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/service.h"
+#include "server/engine/status_macros.h"
 
 // Sentinels ("" and -1) mean "not given": the config file or the embedded default applies.
 ABSL_FLAG(std::string, config, "", "Text-format attnserve.v1.ServerConfig file");
@@ -57,7 +59,7 @@ ABSL_FLAG(int, health_port, -1,
           "Plaintext port serving only grpc.health.v1 (for probes when TLS or tokens are on)");
 ABSL_FLAG(std::string, inject_fault, "",
           "Testing hook: make a launch fail as a device can (sticky:N or alloc:N; see "
-          "server/fault_injection.h)");
+          "server/backends/fault_injection.h)");
 ABSL_FLAG(bool, cuda_single_stream, false,
           "Run prefill and decode on one CUDA stream (for comparisons; default: a stream each)");
 
@@ -77,7 +79,7 @@ std::optional<T> Given(const absl::Flag<T>& flag) {
 absl::StatusOr<ServerOptions> OptionsFromFlags() {
   std::optional<v1::ServerConfig> file;
   if (const std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
-    ASSIGN_OR_RETURN(file, ReadConfigFile(path));
+    ATTN_ASSIGN_OR_RETURN(file, ReadConfigFile(path));
   }
   ConfigOverrides o;
   o.listen_address = Given(FLAGS_listen_address);
@@ -98,7 +100,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.health_port = Given(FLAGS_health_port);
   if (absl::GetFlag(FLAGS_cuda_single_stream)) o.cuda_single_stream = true;
   absl::StatusOr<ServerOptions> options = ResolveConfig(file ? &*file : nullptr, o);
-  if (options.ok()) options->inject_fault = absl::GetFlag(FLAGS_inject_fault);
+  if (options.ok()) options->backend.inject_fault = absl::GetFlag(FLAGS_inject_fault);
   return options;
 }
 
@@ -141,11 +143,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::T
   grpc::SslServerCredentialsOptions ssl(
       tls.client_ca_file().empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                                    : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  ASSIGN_OR_RETURN(std::string cert, ReadFile(tls.cert_file()));
-  ASSIGN_OR_RETURN(std::string key, ReadFile(tls.key_file()));
+  ATTN_ASSIGN_OR_RETURN(std::string cert, ReadFile(tls.cert_file()));
+  ATTN_ASSIGN_OR_RETURN(std::string key, ReadFile(tls.key_file()));
   ssl.pem_key_cert_pairs.push_back({key, cert});
   if (!tls.client_ca_file().empty()) {
-    ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(tls.client_ca_file()));
+    ATTN_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(tls.client_ca_file()));
   }
   return grpc::SslServerCredentials(ssl);
 }
@@ -161,7 +163,7 @@ int Run() {
   }
   ShutdownRequest shutdown;
   absl::StatusOr<std::unique_ptr<Backend>> backend =
-      CreateBackend(*options, [&](const absl::Status& error) {
+      CreateBackend(options->backend, [&](const absl::Status& error) {
         // The main thread turns health NOT_SERVING as soon as it wakes.
         shutdown.Request(1, absl::StrCat("fatal device error: ", error.ToString()));
       });
@@ -300,6 +302,17 @@ void RateLimitedProtobufLog(google::protobuf::LogLevel level, const char* file, 
 int main(int argc, char** argv) {
   google::protobuf::SetLogHandler(&attn::RateLimitedProtobufLog);
   absl::SetProgramUsageMessage("attnserve [--config=FILE] [--listen_address=HOST:PORT] ...");
+  // --help lists the flags of files whose name matches the program's by default (attnserve.cc);
+  // ours are defined here.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/main.cc");
+  };
+  usage.normalize_filename = [](absl::string_view file) -> std::string {
+    const size_t at = file.rfind("server/");
+    return std::string(at == absl::string_view::npos ? file : file.substr(at));
+  };
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   // Block the shutdown signals in every thread; Run() takes them with sigwait.
   sigset_t signals;

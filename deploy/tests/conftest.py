@@ -165,7 +165,7 @@ class ServerSettings:
 
 
 FLAG = re.compile(r"^--([a-z_]+)=(.*)$")
-# The server's built-in defaults (server/config.cc DefaultConfig) for what a config leaves unset.
+# The server's built-in defaults (server/api/config.cc DefaultConfig) for what a config leaves unset.
 DEFAULT_LISTEN, DEFAULT_METRICS_PORT, DEFAULT_DRAIN_S = "127.0.0.1:50051", 9464, 30
 
 
@@ -179,7 +179,7 @@ def container_flags(args: list[str]) -> dict[str, str]:
 
 
 def effective_settings(args: list[str], config) -> ServerSettings:
-    """Flags override the config file, which overrides the defaults (server/config.h)."""
+    """Flags override the config file, which overrides the defaults (server/api/config.h)."""
     flags = container_flags(args)
     drain_from_config = getattr(config, "drain_timeout_seconds", 0)
     return ServerSettings(

@@ -1,7 +1,7 @@
 """Every PromQL expression of the Grafana dashboard and of the alert rules parses (promql-parser,
 a port of Prometheus' own parser), and names only metrics and labels that a live server exports:
 the real binary is started on loopback, driven through each RPC (including failures), and its
-/metrics scraped. Renaming a metric or a label in server/metrics.cc breaks this test until the
+/metrics scraped. Renaming a metric or a label in server/metrics/metrics.cc breaks this test until the
 dashboard and the alerts follow."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 // flush-to-zero and denormals-are-zero modes (x86 MXCSR FTZ|DAZ, Arm FPCR.FZ) for its lifetime and
 // restores the previous mode after, so code outside the kernels never sees it. Values below 2^-126
 // then count as zero; a score changes by at most head_dim * 2^-126 * max|k| (far below the
-// tolerance of attention-semantics.md unless keys approach the float range), and the GPU kernels'
+// tolerance of docs/design.md unless keys approach the float range), and the GPU kernels'
 // exp2 flushes the same way (ex2.approx.ftz).
 #pragma once
 

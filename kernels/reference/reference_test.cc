@@ -1,5 +1,5 @@
 // Hand-computed cases pinning the reference itself: if these hold, the reference implements the
-// contract in docs/attention-semantics.md, and every backend test inherits that.
+// contract in docs/design.md ("Attention semantics"), and every backend test inherits that.
 #include "kernels/reference/reference.h"
 
 #include <gtest/gtest.h>

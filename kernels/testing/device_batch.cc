@@ -1,6 +1,6 @@
 #include "kernels/testing/device_batch.h"
 
-#include "kernels/common/cuda_check.h"
+#include "kernels/cuda/common/cuda_check.h"
 
 namespace attn::testing {
 

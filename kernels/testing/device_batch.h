@@ -9,8 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "kernels/cuda_attention.h"
-#include "kernels/plan.h"
+#include "kernels/cuda/api.h"
+#include "kernels/cuda/plan.h"
 #include "kernels/testing/paged_batch_builder.h"
 
 namespace attn::testing {

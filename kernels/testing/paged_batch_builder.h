@@ -110,7 +110,7 @@ MlaHostBatch MakeMlaBatch(const MlaGeometry& geometry, const std::vector<SeqSpec
 // Makes every element of out NaN and of lse NaN again (before rerunning a kernel on the batch).
 void PoisonOutputs(std::vector<bf16>& out, std::vector<float>& lse);
 
-// ---- Judging results (attention-semantics.md, "Tolerance").
+// ---- Judging results (docs/design.md, "Attention semantics": tolerance).
 
 // An element fails only if |x - ref| > 1e-2 and |x - ref| / (|ref| + 1e-8) > 1e-2.
 bool WithinTolerance(double x, double ref);

@@ -1,0 +1,65 @@
+// CUDA entry points of the kernels library. Host functions that enqueue work on a stream and
+// return the first CUDA error (they never synchronize, exit or throw).
+//
+// A launch is planned on the host (kernels/cuda/plan.h) from the batch's sequence lengths and the
+// tiling of the kernel that will serve it, the plan is copied to the device with the inputs, and
+// the attention entry point executes it: one CTA per (work item, KV head), then the split-KV merge
+// when the plan has merges. Every pointer in the params and the DevicePlan is a device pointer.
+//
+// Variants: the portable kernels (mma.sync, cp.async) run on sm_80 and newer. Per-architecture
+// variants are selected inside the entry points from the device's compute capability; the
+// tiling functions describe whichever variant the entry point will run.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/attention.h"
+#include "kernels/cuda/plan.h"
+
+namespace attn::cuda {
+
+// Where a launch's plan and split-KV workspace live on the device.
+struct DevicePlan {
+  const WorkItem* items = nullptr;  // [num_items]
+  int num_items = 0;
+  const MergeRow* merges = nullptr;  // [num_merges]
+  int num_merges = 0;
+  int max_splits = 0;  // AttentionPlan::max_splits
+  float* partial_out = nullptr;  // [partial_rows, out_dim] (out_dim: head_dim or kMlaCkvDim)
+  float* partial_lse = nullptr;  // [partial_rows]
+  int variant = -1;              // KernelTiling::variant the plan was made for
+};
+
+// What the planner needs to know of the kernel a launch will run on the current device.
+struct KernelTiling {
+  int variant = -1;     // which of the family's tile shapes (-1: the default for the shape)
+  int block_m = 0;      // packed rows per CTA
+  int block_n = 0;      // key tile
+  int ctas_per_sm = 0;  // resident CTAs per SM at this kernel's resources
+  int num_sms = 0;
+  // Shortest split-KV chunk worth its partial-output traffic (MLA partial rows are 512 floats).
+  int min_chunk_len = 256;
+};
+
+// Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA
+// prefill, tiling->variant may name a tile shape on entry (benchmarks compare them).
+cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling);
+cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling);
+
+// The planner's configuration for a launch of `params` with `tiling`; the workspace holds
+// max_partial_rows rows.
+PlanConfig GqaPlanConfig(const GqaParams& params, const KernelTiling& tiling,
+                         int64_t max_partial_rows);
+PlanConfig MlaPlanConfig(const MlaParams& params, const KernelTiling& tiling,
+                         int64_t max_partial_rows);
+
+// Writes the new K/V rows into their page slots (no-op when params.k_new is null). Enqueue it
+// before the attention launch on the same stream.
+cudaError_t GqaAppendKv(const GqaParams& params, cudaStream_t stream);
+cudaError_t MlaAppendKv(const MlaParams& params, cudaStream_t stream);
+
+// Paged attention over the plan (decode when params.batch.qo_indptr is null).
+cudaError_t GqaAttention(const GqaParams& params, const DevicePlan& plan, cudaStream_t stream);
+cudaError_t MlaAttention(const MlaParams& params, const DevicePlan& plan, cudaStream_t stream);
+
+}  // namespace attn::cuda

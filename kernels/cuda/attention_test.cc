@@ -1,0 +1,321 @@
+// kernel_tests: every CUDA kernel against the double-precision reference, with fresh random
+// inputs, NaN-poisoned unused cache slots and NaN-poisoned outputs. Skips without a GPU.
+//
+// Small batches are checked in full. Large ones (published workload shapes) are checked on a
+// sample of query rows: each sampled row is re-run through the reference as a one-token sequence
+// over the prefix of its sequence it can see, which is the same attention for that row.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/api.h"
+#include "kernels/cuda/plan.h"
+#include "kernels/reference/reference.h"
+#include "kernels/testing/device_batch.h"
+#include "kernels/testing/paged_batch_builder.h"
+
+namespace attn::testing {
+namespace {
+
+#define ASSERT_CUDA_OK(expr)                                                        \
+  do {                                                                              \
+    const cudaError_t _err = (expr);                                                \
+    ASSERT_EQ(_err, cudaSuccess) << #expr << ": " << cudaGetErrorString(_err);      \
+  } while (0)
+
+struct Case {
+  std::string name;
+  std::vector<SeqSpec> seqs;
+  BatchOptions options;
+  int sample_rows = 0;  // 0: check every row
+};
+
+std::vector<SeqSpec> Decode(std::vector<int> kv_lens) {
+  std::vector<SeqSpec> seqs;
+  for (int kv : kv_lens) seqs.push_back({1, kv, 0});
+  return seqs;
+}
+
+// Rows (sequence, row in sequence) to check: all of them, or a sample that always includes the
+// first and last row of the first and last sequence.
+std::vector<std::pair<int, int>> RowsToCheck(const HostPageTable& t, int sample, std::mt19937_64& rng) {
+  std::vector<std::pair<int, int>> rows;
+  for (int b = 0; b < static_cast<int>(t.seqs.size()); ++b) {
+    const int q_len = t.decode ? 1 : t.seqs[b].q_len;
+    for (int i = 0; i < q_len; ++i) rows.push_back({b, i});
+  }
+  if (sample == 0 || static_cast<int>(rows.size()) <= sample) return rows;
+  std::vector<std::pair<int, int>> picked{rows.front(), rows.back()};
+  std::uniform_int_distribution<size_t> pick(0, rows.size() - 1);
+  while (static_cast<int>(picked.size()) < sample) picked.push_back(rows[pick(rng)]);
+  return picked;
+}
+
+// A decode batch whose sequence j is row rows[j] seen as a one-token query over the keys it sees.
+HostPageTable SampledTable(const HostPageTable& t, int page_size,
+                           const std::vector<std::pair<int, int>>& rows, bool causal) {
+  HostPageTable s;
+  s.decode = true;
+  s.num_pages = t.num_pages;
+  s.kv_indptr.push_back(0);
+  for (auto [b, i] : rows) {
+    const int q_len = t.decode ? 1 : t.seqs[b].q_len;
+    const int vis = VisibleKeyCount(q_len, t.seqs[b].kv_len, i, causal);
+    const int pages = (vis + page_size - 1) / page_size;
+    for (int k = 0; k < pages; ++k) s.kv_indices.push_back(t.kv_indices[t.kv_indptr[b] + k]);
+    s.kv_indptr.push_back(static_cast<int32_t>(s.kv_indices.size()));
+    s.kv_last_page_len.push_back(pages == 0 ? 0 : vis - (pages - 1) * page_size);
+    s.seq_layer.push_back(t.seq_layer.empty() ? 0 : t.seq_layer[b]);
+    s.seqs.push_back({1, vis, s.seq_layer.back()});
+    ++s.total_q;
+  }
+  return s;
+}
+
+// Copies row `row` (of width `width`) of every sampled row into a dense array.
+template <typename T>
+std::vector<T> Gather(const std::vector<T>& src, const HostPageTable& t,
+                      const std::vector<std::pair<int, int>>& rows, int64_t width) {
+  std::vector<T> out;
+  for (auto [b, i] : rows) {
+    const int64_t r = t.QBegin(b) + i;
+    out.insert(out.end(), src.begin() + r * width, src.begin() + (r + 1) * width);
+  }
+  return out;
+}
+
+void ExpectSameCache(const std::vector<bf16>& got, const std::vector<bf16>& ref) {
+  ASSERT_EQ(got.size(), ref.size());
+  int64_t diffs = 0;
+  for (size_t i = 0; i < got.size(); ++i) diffs += got[i].bits != ref[i].bits;
+  EXPECT_EQ(diffs, 0) << "cache slots differ from the reference after append";
+}
+
+void ExpectResults(const std::vector<bf16>& out, const std::vector<float>& lse,
+                   const std::vector<bf16>& ref_out, const std::vector<float>& ref_lse) {
+  std::string report;
+  const int64_t bad_out =
+      CompareBf16("out", out.data(), ref_out.data(), static_cast<int64_t>(ref_out.size()), &report);
+  const int64_t bad_lse = ref_lse.empty() ? 0
+                          : CompareFloat("lse", lse.data(), ref_lse.data(),
+                                         static_cast<int64_t>(ref_lse.size()), &report);
+  EXPECT_EQ(bad_out + bad_lse, 0) << report;
+}
+
+uint64_t Seed() {
+  const uint64_t seed = std::random_device{}();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  return seed;
+}
+
+void RunGqa(const GqaGeometry& g, const Case& c) {
+  std::mt19937_64 rng(Seed());
+  GqaHostBatch host = MakeGqaBatch(g, c.seqs, c.options, rng);
+  std::unique_ptr<DeviceBatch> device;
+  ASSERT_CUDA_OK(DeviceBatch::Create(host, &device));
+  ASSERT_CUDA_OK(device->PoisonOutputs(nullptr));
+  ASSERT_CUDA_OK(device->Run(nullptr));
+  std::vector<bf16> out, cache;
+  std::vector<float> lse;
+  ASSERT_CUDA_OK(device->Download(&out, &lse, &cache));
+
+  // The reference appends into the host cache, then attends over the sampled rows.
+  reference::GqaAppendKv(host.Params());
+  ExpectSameCache(cache, host.cache);
+  const auto rows = RowsToCheck(host.table, c.sample_rows, rng);
+  const int64_t q_width = int64_t{g.num_qo_heads} * g.head_dim;
+  GqaHostBatch ref = host;
+  ref.table = SampledTable(host.table, g.page_size, rows, c.options.causal);
+  ref.q = Gather(host.q, host.table, rows, q_width);
+  ref.k_new.clear();
+  ref.v_new.clear();
+  ref.out.assign(rows.size() * q_width, kBf16QuietNan);
+  ref.lse.assign(host.lse.empty() ? 0 : rows.size() * g.num_qo_heads, 0.f);
+  reference::GqaAttention(ref.Params());
+  ExpectResults(Gather(out, host.table, rows, q_width),
+                Gather(lse, host.table, rows, host.lse.empty() ? 0 : g.num_qo_heads), ref.out,
+                ref.lse);
+}
+
+void RunMla(const MlaGeometry& g, const Case& c) {
+  std::mt19937_64 rng(Seed());
+  MlaHostBatch host = MakeMlaBatch(g, c.seqs, c.options, rng);
+  std::unique_ptr<DeviceBatch> device;
+  ASSERT_CUDA_OK(DeviceBatch::Create(host, &device));
+  ASSERT_CUDA_OK(device->PoisonOutputs(nullptr));
+  ASSERT_CUDA_OK(device->Run(nullptr));
+  std::vector<bf16> out, cache;
+  std::vector<float> lse;
+  ASSERT_CUDA_OK(device->Download(&out, &lse, &cache));
+
+  reference::MlaAppendKv(host.Params());
+  ExpectSameCache(cache, host.cache);
+  const auto rows = RowsToCheck(host.table, c.sample_rows, rng);
+  MlaHostBatch ref = host;
+  ref.table = SampledTable(host.table, g.page_size, rows, c.options.causal);
+  ref.q_nope = Gather(host.q_nope, host.table, rows, int64_t{g.num_heads} * kMlaCkvDim);
+  ref.q_pe = Gather(host.q_pe, host.table, rows, int64_t{g.num_heads} * kMlaKpeDim);
+  ref.ckv_new.clear();
+  ref.kpe_new.clear();
+  ref.out.assign(rows.size() * g.num_heads * kMlaCkvDim, kBf16QuietNan);
+  ref.lse.assign(host.lse.empty() ? 0 : rows.size() * g.num_heads, 0.f);
+  reference::MlaAttention(ref.Params());
+  const int64_t out_width = int64_t{g.num_heads} * kMlaCkvDim;
+  ExpectResults(Gather(out, host.table, rows, out_width),
+                Gather(lse, host.table, rows, host.lse.empty() ? 0 : g.num_heads), ref.out,
+                ref.lse);
+}
+
+// Ragged prefill: a one-token query, exact page multiples, q_len > kv_len rows (no append), an
+// empty sequence and mixed layers.
+std::vector<Case> PrefillCases(int page_size) {
+  const int ps = page_size;
+  std::vector<Case> cases;
+  BatchOptions append;
+  append.append = true;
+  cases.push_back({"append_ragged",
+                   {{1, 1, 0}, {37, 37, 1}, {20, 20 + 3 * ps, 0}, {5, 2 * ps + 7, 1}, {64, 200, 0}},
+                   append});
+  BatchOptions attend;
+  attend.pad_last_page_len = true;
+  cases.push_back({"attend_unseeing_rows",
+                   {{9, 4, 0}, {0, 0, 0}, {3, ps, 1}, {70, 130, 0}, {1, 1, 0}},
+                   attend});
+  BatchOptions no_lse = append;
+  no_lse.with_lse = false;
+  cases.push_back({"no_lse", {{48, 300, 0}, {17, 17, 0}}, no_lse});
+  BatchOptions full = attend;
+  full.causal = false;
+  cases.push_back({"non_causal", {{12, 90, 0}, {4, 2, 0}}, full});
+  BatchOptions negative = append;
+  negative.sm_scale = -0.07f;  // legal: masked keys must stay masked whatever the sign
+  cases.push_back({"negative_scale", {{40, 100, 0}, {3, 3, 0}}, negative});
+  return cases;
+}
+
+std::vector<Case> DecodeCases() {
+  std::vector<Case> cases;
+  BatchOptions append;
+  append.decode = true;
+  append.append = true;
+  cases.push_back({"append", Decode({1, 16, 17, 64, 333, 1000}), append});
+  BatchOptions attend;
+  attend.decode = true;
+  attend.force_seq_layer = true;
+  cases.push_back({"attend_with_empty", Decode({0, 5, 129, 2048}), attend});
+  return cases;
+}
+
+struct GqaShape {
+  int qo, kv, dim;
+};
+
+// Real-model geometries (docs/design.md, "Attention semantics") plus group sizes 3 and 5 at head_dim 64.
+const GqaShape kGqaShapes[] = {
+    {32, 8, 128}, {32, 4, 128}, {16, 2, 128}, {20, 4, 128}, {24, 8, 128}, {24, 4, 128},
+    {32, 16, 128}, {40, 10, 128}, {48, 8, 128}, {5, 1, 128}, {6, 1, 128},  {16, 1, 128},
+    {8, 1, 128},  {32, 8, 64},   {16, 2, 64},  {64, 8, 64},  {6, 2, 64},   {10, 2, 64},
+    {8, 1, 256},  {12, 2, 256}};
+
+class KernelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_F(KernelTest, GqaPrefillSweep) {
+  for (const GqaShape& s : kGqaShapes) {
+    for (int page_size : {1, 16, 64, 5}) {
+      const GqaGeometry g{2, page_size, s.qo, s.kv, s.dim};
+      for (const Case& c : PrefillCases(page_size)) {
+        SCOPED_TRACE(::testing::Message() << s.qo << "/" << s.kv << " d" << s.dim << " page "
+                                          << page_size << " " << c.name);
+        RunGqa(g, c);
+      }
+    }
+  }
+}
+
+TEST_F(KernelTest, GqaDecodeSweep) {
+  for (const GqaShape& s : kGqaShapes) {
+    for (int page_size : {1, 16, 64, 5}) {
+      const GqaGeometry g{2, page_size, s.qo, s.kv, s.dim};
+      for (const Case& c : DecodeCases()) {
+        SCOPED_TRACE(::testing::Message() << s.qo << "/" << s.kv << " d" << s.dim << " page "
+                                          << page_size << " " << c.name);
+        RunGqa(g, c);
+      }
+    }
+  }
+}
+
+TEST_F(KernelTest, MlaSweep) {
+  for (int heads : {8, 16, 32, 64, 128}) {
+    for (int page_size : {1, 16, 64, 5}) {
+      const MlaGeometry g{2, page_size, heads};
+      std::vector<Case> cases = DecodeCases();
+      if (heads <= 16 || page_size == 64) {
+        for (const Case& c : PrefillCases(page_size)) cases.push_back(c);
+      }
+      for (Case& c : cases) {
+        if (c.options.sm_scale == 0.f) c.options.sm_scale = 0.1352337747812271f;
+      }
+      for (const Case& c : cases) {
+        SCOPED_TRACE(::testing::Message() << "mla h" << heads << " page " << page_size << " "
+                                          << c.name);
+        RunMla(g, c);
+      }
+    }
+  }
+}
+
+// Shapes of the published workloads, checked on sampled rows.
+TEST_F(KernelTest, GqaWorkloadShapes) {
+  BatchOptions decode;
+  decode.decode = true;
+  decode.append = true;
+  std::mt19937 rng(1);
+  std::vector<int> lens64;
+  for (int i = 0; i < 64; ++i) lens64.push_back(200 + rng() % 1600);  // ~64K tokens in all
+  const GqaGeometry g16{1, 16, 32, 8, 128};
+  RunGqa(g16, {"decode_b1_16k", Decode({16384}), decode, 16});
+  RunGqa(g16, {"decode_b16", Decode(std::vector<int>(16, 3800)), decode, 32});
+  RunGqa({1, 1, 32, 8, 128}, {"decode_b64_page1", Decode(lens64), decode, 32});
+  RunGqa({1, 64, 32, 8, 128}, {"decode_b64_page64", Decode(lens64), decode, 32});
+
+  BatchOptions prefill;
+  prefill.append = true;
+  RunGqa(g16, {"prefill_16384", {{16384, 16384, 0}}, prefill, 24});
+  RunGqa({1, 64, 20, 4, 128}, {"chunk_1117_on_71488", {{1117, 71488 + 1117, 0}}, prefill, 6});
+  std::vector<SeqSpec> ragged;
+  for (int i = 0; i < 8; ++i) ragged.push_back({512, 1536, 0});
+  RunGqa({1, 16, 40, 10, 128}, {"prefill_8x512_on_1024", ragged, prefill, 24});
+}
+
+TEST_F(KernelTest, MlaWorkloadShapes) {
+  BatchOptions decode;
+  decode.decode = true;
+  decode.append = true;
+  decode.sm_scale = 0.1352337747812271f;
+  RunMla({1, 64, 16}, {"decode_b64", Decode(std::vector<int>(64, 1024)), decode, 32});
+  RunMla({1, 64, 128}, {"decode_128_heads", Decode(std::vector<int>(8, 4096)), decode, 8});
+  BatchOptions prefill = decode;
+  prefill.decode = false;
+  std::vector<SeqSpec> seqs;
+  std::mt19937 rng(2);
+  int total = 0;
+  for (int i = 0; i < 11; ++i) {
+    const int q = i == 10 ? 6053 - total : 300 + static_cast<int>(rng() % 250);  // sums to 6053
+    total += q;
+    seqs.push_back({q, q + static_cast<int>(rng() % 2000), 0});
+  }
+  RunMla({1, 64, 16}, {"prefill_6053_11_seqs", seqs, prefill, 24});
+}
+
+}  // namespace
+}  // namespace attn::testing

@@ -1,0 +1,267 @@
+// GQA paged decode on mma.sync tensor cores.
+//
+// One CTA = one work item x one KV head: the (up to 16) query heads of the KV head are packed into
+// the 16 rows of the MMA M dimension, so each K/V row read from memory serves all of them. Decode
+// is bound by reading K/V once, so the CTA streams key tiles of kBlockN through a kStages-deep
+// cp.async pipeline and its 4 warps split every tile (16 keys each), each keeping its own online
+// softmax state; the warps' states are merged through shared memory at the end. Split-KV across
+// CTAs (the planner's chunks) lets a batch of one long sequence fill the GPU.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/epilogue.cuh"
+#include "kernels/cuda/common/launch.h"
+#include "kernels/cuda/common/smem_tile.cuh"
+#include "kernels/cuda/common/softmax_state.cuh"
+#include "kernels/cuda/launchers.h"
+
+namespace attn::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlockM = 16;
+constexpr int kBlockN = kWarps * 16;
+
+template <int kHeadDim, int kStages>
+struct DecodeTraits {
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr bool kQInRegisters = kHeadDim <= 128;
+  using Tile = SwizzledTile<kHeadDim>;
+  static constexpr int kTileElems = kBlockN * kHeadDim;
+  static constexpr int kPipelineBytes = kStages * 2 * kTileElems * 2;
+  // The warps' partial outputs, merged at the end, reuse the pipeline's buffers. Rows are padded
+  // by 4 floats to spread the 8 rows a store instruction writes over different banks.
+  static constexpr int kMergeStride = kHeadDim + 4;
+  static constexpr int kMergeBytes = (kWarps * kBlockM * kMergeStride + 2 * kWarps * kBlockM) * 4;
+  static_assert(kMergeBytes <= kPipelineBytes);
+  using Ring = RowOffsetRing<kBlockN>;
+  static constexpr int kSmemBytes =
+      kBlockM * kHeadDim * 2 + kPipelineBytes + static_cast<int>(sizeof(Ring));
+};
+
+template <int kHeadDim, int kStages>
+__global__ void __launch_bounds__(kThreads)
+    GqaDecodeKernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+  using T = DecodeTraits<kHeadDim, kStages>;
+  using Tile = typename T::Tile;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* s_q = reinterpret_cast<bf16*>(smem);
+  bf16* s_kv = s_q + kBlockM * kHeadDim;  // stage s: K at 2 s, V at 2 s + 1 (tiles)
+  auto* ring = reinterpret_cast<typename T::Ring*>(s_kv + kStages * 2 * T::kTileElems);
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
+  const WorkItem item = items[cta.item];
+  const int kv_head = cta.head;
+  const int group = p.num_qo_heads / p.cache.num_kv_heads;
+  const SeqExtent seq = GetSeqExtent(p.batch, p.cache.page_size, item.seq);
+  const int num_rows = seq.q_len * group;
+
+  Tile::template LoadPackedQuery<kBlockM, kThreads>(s_q, p, seq, item.row_begin, num_rows, kv_head,
+                                                    group, tid);
+
+  const PagedRows rows = GqaKeyRows(p.cache, p.batch, seq, kv_head);
+  const bf16* k_base = rows.base;
+  const bf16* v_base = rows.base + GqaValueOffset(p.cache);
+
+  const int num_tiles = (item.kv_end - item.kv_begin + kBlockN - 1) / kBlockN;
+  auto lookup = [&](int t) {
+    return T::Ring::Lookup(rows, item.kv_begin + t * kBlockN, item.kv_end, tid);
+  };
+  // Issues tile t's copies from its ring slot (stored and synchronized before).
+  auto load_tile = [&](int t) {
+    if (t < num_tiles) {
+      bf16* stage = s_kv + (t % kStages) * 2 * T::kTileElems;
+      Tile::template LoadRows<kBlockN, kThreads>(stage, k_base, ring->Offsets(t), tid);
+      Tile::template LoadRows<kBlockN, kThreads>(stage + T::kTileElems, v_base, ring->Offsets(t),
+                                                 tid);
+    }
+    CommitAsyncGroup();  // empty groups keep the wait counts uniform
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {  // Q rides in the first group
+    ring->Store(s, lookup(s), tid);
+    __syncthreads();
+    load_tile(s);
+  }
+  ring->Store(kStages - 1, lookup(kStages - 1), tid);
+
+  const int row_g = lane / 4;
+  auto limit = [&](int r) {
+    return min(VisibleKeys(seq, (item.row_begin + r) / group, p.causal), item.kv_end);
+  };
+  const int limit_g = limit(row_g), limit_g8 = limit(row_g + 8);
+  const int tile_min_limit = limit(0);
+
+  float o[T::kDTiles][4] = {};
+  OnlineSoftmax<2> softmax;
+  uint32_t q_frag[T::kQInRegisters ? T::kKSteps : 1][4];
+  const float scale_log2 = p.sm_scale * kLog2e;
+
+  for (int t = 0; t < num_tiles; ++t) {
+    WaitAsyncGroups<kStages - 2>();
+    __syncthreads();  // tile t visible; every warp is done with tile t - 1, whose stage refills
+    load_tile(t + kStages - 1);
+    const int64_t next_offset = lookup(t + kStages);  // stored after this tile's math
+    if constexpr (T::kQInRegisters) {
+      if (t == 0) {
+#pragma unroll
+        for (int ks = 0; ks < T::kKSteps; ++ks) Tile::LoadA(q_frag[ks], s_q, 0, ks, lane);
+      }
+    }
+    const bf16* s_k = s_kv + (t % kStages) * 2 * T::kTileElems;
+    const bf16* s_v = s_k + T::kTileElems;
+    const int key0 = warp * 16;  // this warp's keys within the tile
+    const int n0 = item.kv_begin + t * kBlockN + key0;
+
+    float s[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < T::kKSteps; ++ks) {
+      uint32_t a[4], b[4];
+      if constexpr (T::kQInRegisters) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = q_frag[ks][i];
+      } else {
+        Tile::LoadA(a, s_q, 0, ks, lane);
+      }
+      Tile::LoadBT(b, s_k, key0, ks, lane);
+      MmaBf16(s[0], a, b[0], b[1]);
+      MmaBf16(s[1], a, b[2], b[3]);
+    }
+    if (n0 + 16 > tile_min_limit) MaskScores(s, n0, lane, limit_g, limit_g8);
+    float alpha[2];
+    softmax.Update(s, scale_log2, alpha);
+    uint32_t p_frag[1][4];
+    ScoresToA(s, p_frag);
+#pragma unroll
+    for (int dp = 0; dp < T::kDTiles / 2; ++dp) {
+      o[2 * dp][0] *= alpha[0];
+      o[2 * dp][1] *= alpha[0];
+      o[2 * dp][2] *= alpha[1];
+      o[2 * dp][3] *= alpha[1];
+      o[2 * dp + 1][0] *= alpha[0];
+      o[2 * dp + 1][1] *= alpha[0];
+      o[2 * dp + 1][2] *= alpha[1];
+      o[2 * dp + 1][3] *= alpha[1];
+      uint32_t b[4];
+      Tile::LoadB(b, s_v, key0, dp * 16, lane);
+      MmaBf16(o[2 * dp], p_frag[0], b[0], b[1]);
+      MmaBf16(o[2 * dp + 1], p_frag[0], b[2], b[3]);
+    }
+    ring->Store(t + kStages, next_offset, tid);
+  }
+  WaitAsyncGroups<0>();
+  __syncthreads();  // the pipeline buffers become the merge area
+
+  // Merge the 4 warps' (m, sum, O) states of the same 16 rows.
+  float* s_o = reinterpret_cast<float*>(s_kv);           // [kWarps][kBlockM][kMergeStride]
+  float* s_m = s_o + kWarps * kBlockM * T::kMergeStride;  // [kWarps][kBlockM]
+  float* s_d = s_m + kWarps * kBlockM;                    // [kWarps][kBlockM]
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int r = row_g + 8 * x;
+    const float sum = softmax.RowSum(x);
+    if ((lane & 3) == 0) {
+      s_m[warp * kBlockM + r] = softmax.m[x];
+      s_d[warp * kBlockM + r] = sum;
+    }
+    float* dst = s_o + (warp * kBlockM + r) * T::kMergeStride + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < T::kDTiles; ++j) {
+      *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[j][2 * x], o[j][2 * x + 1]);
+    }
+  }
+  __syncthreads();
+
+  sink.partial_row = item.partial_row;
+  sink.q_begin = seq.q_begin;
+  sink.head_base = kv_head * group;
+  constexpr int kVecs = kHeadDim / 4;  // float4 columns per row
+  for (int idx = tid; idx < kBlockM * kVecs; idx += kThreads) {
+    const int r = idx / kVecs, c = (idx % kVecs) * 4;
+    const int packed = item.row_begin + r;
+    if (packed >= num_rows) continue;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s_m[w * kBlockM + r]);
+    const float base = m == -INFINITY ? 0.f : m;
+    float sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = Exp2(s_m[w * kBlockM + r] - base);
+      sum += f * s_d[w * kBlockM + r];
+      const float4 v = *reinterpret_cast<const float4*>(s_o + (w * kBlockM + r) * T::kMergeStride + c);
+      acc.x += f * v.x;
+      acc.y += f * v.y;
+      acc.z += f * v.z;
+      acc.w += f * v.w;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t row = sink.Row(packed);
+    if (sink.partial_row >= 0) {
+      *reinterpret_cast<float4*>(sink.partial_out + row * kHeadDim + c) =
+          make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+      if (c == 0) sink.partial_lse[row] = sum > 0.f ? m + Log2(sum) : -INFINITY;
+    } else {
+      __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+      __nv_bfloat162 hi = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+      uint2 packed_out;
+      packed_out.x = *reinterpret_cast<uint32_t*>(&lo);
+      packed_out.y = *reinterpret_cast<uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(sink.out + row * kHeadDim + c) = packed_out;
+      if (c == 0 && sink.lse != nullptr) sink.lse[row] = sum > 0.f ? m + Log2(sum) : kEmptyRowLse;
+    }
+  }
+}
+
+template <int kHeadDim, int kStages>
+cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+  using T = DecodeTraits<kHeadDim, kStages>;
+  auto kernel = GqaDecodeKernel<kHeadDim, kStages>;
+  ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kernel, T::kSmemBytes));
+  const RowSink sink{p.out, p.lse, plan.partial_out, plan.partial_lse, -1, 0,
+                     p.num_qo_heads, kHeadDim, p.num_qo_heads / p.cache.num_kv_heads, 0};
+  const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
+  kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
+  ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
+  return cudaSuccess;
+}
+
+template <int kHeadDim, int kStages>
+cudaError_t Tiling(KernelTiling* tiling) {
+  using T = DecodeTraits<kHeadDim, kStages>;
+  // Measured on H200 (bench/RESULTS.md): batch 1 x 16384 keys ran 44 us with 256-key chunks,
+  // 37 us with 512 (fewer CTAs and merge inputs, each CTA long enough to fill its pipeline).
+  tiling->min_chunk_len = 512;
+  return DescribeKernel(GqaDecodeKernel<kHeadDim, kStages>, kThreads, T::kSmemBytes, kBlockM,
+                        kBlockN, tiling);
+}
+
+// Stages: enough bytes in flight per SM to cover memory latency, with 2+ CTAs per SM where the
+// tiles allow (head_dim 128: 3 x 32 KiB K/V tiles + Q = 100 KiB per CTA).
+constexpr int StagesFor(int head_dim) { return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2; }
+
+}  // namespace
+
+cudaError_t LaunchGqaDecode(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+  switch (p.cache.head_dim) {
+    case 64: return Launch<64, StagesFor(64)>(p, plan, stream);
+    case 128: return Launch<128, StagesFor(128)>(p, plan, stream);
+    case 256: return Launch<256, StagesFor(256)>(p, plan, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
+  switch (head_dim) {
+    case 64: return Tiling<64, StagesFor(64)>(tiling);
+    case 128: return Tiling<128, StagesFor(128)>(tiling);
+    case 256: return Tiling<256, StagesFor(256)>(tiling);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace attn::cuda

@@ -1,0 +1,120 @@
+#include "kernels/cuda/plan.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace attn {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The rows one CTA covers and the most keys any of them sees.
+struct Tile {
+  int seq;
+  int row_begin;
+  int visible;  // keys seen by the tile's last (widest-seeing) row
+};
+
+std::vector<Tile> MakeTiles(const PlanConfig& c, const int32_t* q_lens, const int32_t* kv_lens,
+                            int batch_size) {
+  std::vector<Tile> tiles;
+  for (int b = 0; b < batch_size; ++b) {
+    const int rows = q_lens[b] * c.group;
+    for (int r = 0; r < rows; r += c.block_m) {
+      const int last_token = (std::min(r + c.block_m, rows) - 1) / c.group;
+      tiles.push_back({b, r, VisibleKeyCount(q_lens[b], kv_lens[b], last_token, c.causal)});
+    }
+  }
+  return tiles;
+}
+
+// Workspace rows needed when sequences longer than chunk_len are split.
+int64_t PartialRows(const PlanConfig& c, const int32_t* q_lens, const int32_t* kv_lens,
+                    int batch_size, int chunk_len) {
+  int64_t rows = 0;
+  for (int b = 0; b < batch_size; ++b) {
+    const int64_t splits = CeilDiv(kv_lens[b], chunk_len);
+    if (splits > 1) rows += splits * q_lens[b] * int64_t{c.num_qo_heads};
+  }
+  return rows;
+}
+
+// Keys per chunk, or 0 to leave every sequence whole.
+int ChooseChunkLen(const PlanConfig& c, const std::vector<Tile>& tiles, const int32_t* q_lens,
+                   const int32_t* kv_lens, int batch_size) {
+  const double unsplit_ctas = static_cast<double>(tiles.size()) * c.num_kv_heads;
+  if (unsplit_ctas >= c.cta_slots * c.waves_before_split) return 0;
+  int64_t work = 0;
+  int max_visible = 0;
+  for (const Tile& t : tiles) {
+    work += t.visible;
+    max_visible = std::max(max_visible, t.visible);
+  }
+  const double target_items = c.cta_slots * c.target_waves / c.num_kv_heads;
+  int64_t chunk = CeilDiv(static_cast<int64_t>(std::ceil(work / target_items)), c.block_n) *
+                  c.block_n;
+  chunk = std::max<int64_t>(chunk, CeilDiv(c.min_chunk_len, c.block_n) * c.block_n);
+  // Wider chunks until the partials fit the workspace and no token has too many chunks.
+  while (chunk < max_visible &&
+         (PartialRows(c, q_lens, kv_lens, batch_size, static_cast<int>(chunk)) >
+              c.max_partial_rows ||
+          CeilDiv(max_visible, chunk) > kMaxSplits)) {
+    chunk *= 2;
+  }
+  return chunk < max_visible ? static_cast<int>(chunk) : 0;
+}
+
+}  // namespace
+
+int VisibleKeyCount(int q_len, int kv_len, int row, bool causal) {
+  if (!causal) return kv_len;
+  return std::clamp(row + 1 + kv_len - q_len, 0, kv_len);
+}
+
+AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const int32_t* kv_lens,
+                            int batch_size) {
+  AttentionPlan plan;
+  const std::vector<Tile> tiles = MakeTiles(c, q_lens, kv_lens, batch_size);
+  plan.chunk_len = ChooseChunkLen(c, tiles, q_lens, kv_lens, batch_size);
+
+  // Items chunk-major within a sequence, so CTAs that run side by side read the same keys (L2).
+  int32_t q_begin = 0;
+  size_t t = 0;
+  for (int b = 0; b < batch_size; ++b) {
+    const size_t first_tile = t;
+    while (t < tiles.size() && tiles[t].seq == b) ++t;
+    const int splits = plan.chunk_len ? static_cast<int>(CeilDiv(kv_lens[b], plan.chunk_len)) : 1;
+    if (splits <= 1) {
+      for (size_t i = first_tile; i < t; ++i) {
+        plan.items.push_back({b, tiles[i].row_begin, 0, tiles[i].visible, -1});
+      }
+    } else {
+      const int32_t base = static_cast<int32_t>(plan.partial_rows);
+      const int32_t stride = q_lens[b] * c.num_qo_heads;
+      for (int s = 0; s < splits; ++s) {
+        const int begin = s * plan.chunk_len;
+        for (size_t i = first_tile; i < t; ++i) {
+          if (tiles[i].visible <= begin) continue;  // no row of the tile sees this chunk
+          plan.items.push_back({b, tiles[i].row_begin, begin,
+                                std::min(begin + plan.chunk_len, tiles[i].visible),
+                                base + s * stride});
+        }
+      }
+      for (int i = 0; i < q_lens[b]; ++i) {
+        const int visible = VisibleKeyCount(q_lens[b], kv_lens[b], i, c.causal);
+        const int splits_seen = static_cast<int>(CeilDiv(visible, plan.chunk_len));
+        plan.merges.push_back({q_begin + i, base + i * c.num_qo_heads, stride, splits_seen});
+        plan.max_splits = std::max(plan.max_splits, splits_seen);
+      }
+      plan.partial_rows += int64_t{splits} * stride;
+    }
+    q_begin += q_lens[b];
+  }
+  // Longest first: the tail of the launch is made of short items.
+  std::stable_sort(plan.items.begin(), plan.items.end(), [](const WorkItem& a, const WorkItem& b) {
+    return a.kv_end - a.kv_begin > b.kv_end - b.kv_begin;
+  });
+  return plan;
+}
+
+}  // namespace attn

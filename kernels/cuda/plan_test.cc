@@ -1,0 +1,199 @@
+#include "kernels/cuda/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <tuple>
+
+#include "gtest/gtest.h"
+
+namespace attn {
+namespace {
+
+// Checks that executing `plan` would compute exactly the contract: every (token, head) sees each
+// of its visible keys once, partial rows are distinct and inside the workspace, and every split
+// token is merged from exactly the chunks that hold its keys.
+void ExpectPlanCovers(const PlanConfig& c, const AttentionPlan& plan,
+                      const std::vector<int32_t>& q_lens, const std::vector<int32_t>& kv_lens) {
+  const int batch = static_cast<int>(q_lens.size());
+  std::vector<int32_t> q_begin(batch + 1, 0);
+  for (int b = 0; b < batch; ++b) q_begin[b + 1] = q_begin[b] + q_lens[b];
+
+  // keys_seen[(seq, packed row)] and the partial rows written per (seq, token, head-in-group).
+  std::map<std::pair<int, int>, int64_t> keys_seen;
+  std::map<std::tuple<int, int, int>, std::vector<int32_t>> partials;
+  std::set<int64_t> partial_rows_written;
+  for (const WorkItem& it : plan.items) {
+    ASSERT_GE(it.kv_begin, 0);
+    ASSERT_LE(it.kv_begin, it.kv_end);
+    if (plan.chunk_len > 0 && it.partial_row >= 0) {
+      EXPECT_EQ(it.kv_begin % plan.chunk_len, 0);
+      EXPECT_LE(it.kv_end - it.kv_begin, plan.chunk_len);
+    }
+    const int rows = q_lens[it.seq] * c.group;
+    ASSERT_LT(it.row_begin, std::max(rows, 1));
+    EXPECT_EQ(it.row_begin % c.block_m, 0);
+    for (int p = it.row_begin; p < std::min(it.row_begin + c.block_m, rows); ++p) {
+      const int token = p / c.group;
+      const int vis = VisibleKeyCount(q_lens[it.seq], kv_lens[it.seq], token, c.causal);
+      const int seen = std::max(0, std::min(it.kv_end, vis) - it.kv_begin);
+      keys_seen[{it.seq, p}] += seen;
+      if (it.partial_row >= 0) {
+        for (int kvh = 0; kvh < c.num_kv_heads; ++kvh) {
+          const int64_t row = it.partial_row + int64_t{token} * c.num_qo_heads +
+                              kvh * c.group + p % c.group;
+          EXPECT_LT(row, plan.partial_rows);
+          EXPECT_TRUE(partial_rows_written.insert(row).second) << "partial row written twice";
+        }
+        if (seen > 0) partials[{it.seq, token, p % c.group}].push_back(it.partial_row);
+      }
+    }
+  }
+  for (int b = 0; b < batch; ++b) {
+    for (int p = 0; p < q_lens[b] * c.group; ++p) {
+      const int vis = VisibleKeyCount(q_lens[b], kv_lens[b], p / c.group, c.causal);
+      EXPECT_EQ((keys_seen[{b, p}]), vis) << "seq " << b << " packed row " << p;
+    }
+  }
+  // Merges: one per token of each split sequence, naming the chunks that hold its keys.
+  for (const MergeRow& m : plan.merges) {
+    const int b = static_cast<int>(std::upper_bound(q_begin.begin(), q_begin.end(), m.out_row) -
+                                   q_begin.begin()) - 1;
+    const int token = m.out_row - q_begin[b];
+    EXPECT_EQ(m.split_stride, q_lens[b] * c.num_qo_heads);
+    for (int g = 0; g < c.group; ++g) {
+      std::vector<int32_t> expected;
+      for (int s = 0; s < m.num_splits; ++s) {
+        expected.push_back(m.partial_row + s * m.split_stride - token * c.num_qo_heads);
+      }
+      auto got = partials[{b, token, g}];
+      std::sort(got.begin(), got.end());
+      EXPECT_EQ(got, expected) << "seq " << b << " token " << token;
+    }
+  }
+  EXPECT_LE(plan.partial_rows, c.max_partial_rows);
+  int max_splits = 0;
+  for (const MergeRow& m : plan.merges) max_splits = std::max(max_splits, m.num_splits);
+  EXPECT_EQ(plan.max_splits, max_splits);
+  for (size_t i = 1; i < plan.items.size(); ++i) {
+    EXPECT_GE(plan.items[i - 1].kv_end - plan.items[i - 1].kv_begin,
+              plan.items[i].kv_end - plan.items[i].kv_begin);
+  }
+}
+
+PlanConfig DecodeConfig(int group, int kv_heads) {
+  PlanConfig c;
+  c.group = group;
+  c.num_kv_heads = kv_heads;
+  c.num_qo_heads = group * kv_heads;
+  c.block_m = 16;
+  c.block_n = 64;
+  c.cta_slots = 264;
+  return c;
+}
+
+TEST(PlanTest, VisibleKeysAreBottomRightAligned) {
+  EXPECT_EQ(VisibleKeyCount(3, 10, 0, true), 8);
+  EXPECT_EQ(VisibleKeyCount(3, 10, 2, true), 10);
+  EXPECT_EQ(VisibleKeyCount(5, 3, 0, true), 0);  // q_len > kv_len: early rows see nothing
+  EXPECT_EQ(VisibleKeyCount(5, 3, 4, true), 3);
+  EXPECT_EQ(VisibleKeyCount(5, 3, 0, false), 3);
+  EXPECT_EQ(VisibleKeyCount(1, 0, 0, true), 0);
+}
+
+TEST(PlanTest, LargeDecodeBatchSplitsOnlyToFillTheGpu) {
+  // 64 x 4096, 32/8 heads: 512 unsplit CTAs < 2 waves of 264 -> split into 2048-key chunks.
+  PlanConfig c = DecodeConfig(4, 8);
+  std::vector<int32_t> q(64, 1), kv(64, 4096);
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 64);
+  EXPECT_EQ(plan.chunk_len, 2048);
+  EXPECT_EQ(plan.items.size(), 128u);
+  EXPECT_EQ(plan.merges.size(), 64u);
+  ExpectPlanCovers(c, plan, q, kv);
+
+  // Twice the batch fills two waves on its own: no split, no merge.
+  std::vector<int32_t> q2(128, 1), kv2(128, 4096);
+  const AttentionPlan whole = PlanAttention(c, q2.data(), kv2.data(), 128);
+  EXPECT_EQ(whole.chunk_len, 0);
+  EXPECT_TRUE(whole.merges.empty());
+  ExpectPlanCovers(c, whole, q2, kv2);
+}
+
+TEST(PlanTest, SingleLongSequenceSpreadsOverTheGpu) {
+  PlanConfig c = DecodeConfig(4, 8);
+  std::vector<int32_t> q{1}, kv{16384};
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 1);
+  // 16384 keys over 264 * 4 / 8 = 132 items per head: 124-key chunks, raised to the 256 minimum.
+  EXPECT_EQ(plan.chunk_len, 256);
+  EXPECT_EQ(plan.items.size(), 64u);
+  EXPECT_GE(plan.items.size() * c.num_kv_heads, static_cast<size_t>(c.cta_slots));
+  ExpectPlanCovers(c, plan, q, kv);
+}
+
+TEST(PlanTest, ShortQueryOnLongContextIsSplit) {
+  // The 1117-new-on-71488-cached chunk, 20/4 heads, 64 packed rows per CTA: 88 tiles x 4 heads =
+  // 352 CTAs < 2 waves, so the keys are split and every chunk is merged.
+  PlanConfig c;
+  c.group = 5;
+  c.num_kv_heads = 4;
+  c.num_qo_heads = 20;
+  c.block_m = 64;
+  c.cta_slots = 264;
+  std::vector<int32_t> q{1117}, kv{71488 + 1117};
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 1);
+  EXPECT_GT(plan.chunk_len, 0);
+  EXPECT_EQ(plan.merges.size(), 1117u);
+  ExpectPlanCovers(c, plan, q, kv);
+}
+
+TEST(PlanTest, LongCausalPrefillIsNotSplitAndRunsLongestFirst) {
+  PlanConfig c;
+  c.group = 4;
+  c.num_kv_heads = 8;
+  c.num_qo_heads = 32;
+  c.block_m = 128;
+  std::vector<int32_t> q{8192}, kv{8192};
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 1);
+  EXPECT_EQ(plan.chunk_len, 0);
+  ASSERT_EQ(plan.items.size(), 256u);
+  EXPECT_EQ(plan.items.front().kv_end, 8192);  // the last tile sees every key
+  EXPECT_EQ(plan.items.back().kv_end, 32);     // the first tile: tokens 0..31
+  ExpectPlanCovers(c, plan, q, kv);
+}
+
+TEST(PlanTest, WorkspaceCapWidensChunks) {
+  PlanConfig c = DecodeConfig(4, 8);
+  c.max_partial_rows = 16 * 32 * 2;  // 16 tokens x 32 heads x two chunks
+  std::vector<int32_t> q(16, 1), kv(16, 8192);
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 16);
+  EXPECT_GE(plan.chunk_len, 4096);
+  ExpectPlanCovers(c, plan, q, kv);
+}
+
+TEST(PlanTest, RaggedBatchesWithEmptyAndUnseeingRows) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    PlanConfig c;
+    c.group = 1 + rng() % 8;
+    c.num_kv_heads = 1 + rng() % 4;
+    c.num_qo_heads = c.group * c.num_kv_heads;
+    c.block_m = 16 << (rng() % 3);
+    c.block_n = 32;
+    c.min_chunk_len = 32;
+    c.cta_slots = 8 + rng() % 64;
+    c.causal = rng() % 4 != 0;
+    const int batch = 1 + rng() % 6;
+    std::vector<int32_t> q(batch), kv(batch);
+    for (int b = 0; b < batch; ++b) {
+      q[b] = rng() % 40;
+      kv[b] = rng() % 3 == 0 ? static_cast<int>(rng() % 8) : static_cast<int>(rng() % 700);
+    }
+    const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), batch);
+    SCOPED_TRACE(testing::Message() << "trial " << trial);
+    ExpectPlanCovers(c, plan, q, kv);
+  }
+}
+
+}  // namespace
+}  // namespace attn

@@ -1,0 +1,134 @@
+#include "server/api/config.h"
+
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/text_format.h"
+#include "server/api/pool_config.h"
+#include "server/engine/status_macros.h"
+
+namespace attn {
+namespace {
+
+constexpr int64_t kDefaultMaxMessageBytes = int64_t{512} << 20;
+constexpr int64_t kGrpcMessageLimit = (int64_t{1} << 31) - 1;
+
+absl::Status CheckRange(const char* name, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " = ", value, " is outside [", lo, ", ", hi, "]"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+v1::ServerConfig DefaultConfig() {
+  v1::ServerConfig c;
+  c.set_listen_address("127.0.0.1:50051");
+  c.set_metrics_port(9464);
+  c.set_backend("auto");
+  c.set_cpu_threads(0);
+  c.set_max_message_bytes(kDefaultMaxMessageBytes);
+  c.set_drain_timeout_seconds(30);
+  c.set_session_lease_seconds(300);
+  v1::BatchingConfig* b = c.mutable_batching();
+  const BatchingOptions defaults;
+  b->set_max_queue_delay_us(static_cast<int>(absl::ToInt64Microseconds(defaults.max_queue_delay)));
+  b->set_max_batch_requests(defaults.max_batch_requests);
+  b->set_max_batch_tokens(defaults.max_batch_tokens);
+  b->set_max_queue_requests(defaults.max_queue_requests);
+  v1::PoolConfig* p = c.add_pools();
+  p->set_name("default");
+  p->set_kind(v1::POOL_KIND_GQA);
+  p->set_num_layers(2);
+  p->set_page_size(16);
+  p->set_num_qo_heads(32);
+  p->set_num_kv_heads(8);
+  p->set_head_dim(128);
+  p->set_num_pages(4096);
+  return c;
+}
+
+absl::StatusOr<v1::ServerConfig> ReadConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open config file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  v1::ServerConfig config;
+  if (!google::protobuf::TextFormat::ParseFromString(text.str(), &config)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not a text-format attnserve.v1.ServerConfig (see the log above)"));
+  }
+  return config;
+}
+
+absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
+                                            const ConfigOverrides& o) {
+  v1::ServerConfig c = DefaultConfig();
+  if (file != nullptr) {
+    // Zero scalars in the file mean "not set" and merge as no-ops; pools replace the default's.
+    if (file->pools_size() > 0) c.clear_pools();
+    c.MergeFrom(*file);
+  }
+
+  ServerOptions s;
+  s.listen_address = o.listen_address.value_or(c.listen_address());
+  s.metrics_port = o.metrics_port.value_or(c.metrics_port());
+  s.backend.kind = o.backend.value_or(c.backend());
+  s.backend.cpu_threads = o.cpu_threads.value_or(c.cpu_threads());
+  s.max_message_bytes = o.max_message_bytes.value_or(c.max_message_bytes());
+  s.backend.cuda_single_stream = o.cuda_single_stream.value_or(c.cuda_single_stream());
+  s.drain_timeout_seconds = o.drain_timeout_seconds.value_or(c.drain_timeout_seconds());
+  const int lease_s = o.session_lease_seconds.value_or(c.session_lease_seconds());
+  s.sessions.default_lease = absl::Seconds(lease_s);
+  s.sessions.max_lease = std::max(absl::Hours(1), s.sessions.default_lease);
+  s.sessions.default_max_pages = o.session_max_pages.value_or(c.session_max_pages());
+  s.tls = c.tls();
+  if (o.tls_cert_file) s.tls.set_cert_file(*o.tls_cert_file);
+  if (o.tls_key_file) s.tls.set_key_file(*o.tls_key_file);
+  if (o.tls_client_ca_file) s.tls.set_client_ca_file(*o.tls_client_ca_file);
+  s.access_tokens.assign(c.access_tokens().begin(), c.access_tokens().end());
+  s.health_port = o.health_port.value_or(c.health_port());
+  if (s.tls.cert_file().empty() != s.tls.key_file().empty()) {
+    return absl::InvalidArgumentError("tls: set both cert_file and key_file, or neither");
+  }
+  if (!s.tls.client_ca_file().empty() && s.tls.cert_file().empty()) {
+    return absl::InvalidArgumentError("tls: client_ca_file needs cert_file and key_file");
+  }
+  ATTN_RETURN_IF_ERROR(CheckRange("health_port", s.health_port, 0, 65535));
+  const v1::BatchingConfig& b = c.batching();
+  s.batching.max_queue_delay =
+      absl::Microseconds(o.max_queue_delay_us.value_or(b.max_queue_delay_us()));
+  s.batching.max_batch_requests = o.max_batch_requests.value_or(b.max_batch_requests());
+  s.batching.max_batch_tokens = o.max_batch_tokens.value_or(b.max_batch_tokens());
+  s.batching.max_queue_requests = o.max_queue_requests.value_or(b.max_queue_requests());
+
+  if (s.listen_address.empty()) return absl::InvalidArgumentError("listen_address is empty");
+  if (s.backend.kind != "auto" && s.backend.kind != "cpu" && s.backend.kind != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend = '", s.backend.kind, "'; use auto, cpu or cuda"));
+  }
+  ATTN_RETURN_IF_ERROR(CheckRange("metrics_port", s.metrics_port, 0, 65535));
+  ATTN_RETURN_IF_ERROR(CheckRange("cpu_threads", s.backend.cpu_threads, 0, 1024));
+  ATTN_RETURN_IF_ERROR(CheckRange("drain_timeout_seconds", s.drain_timeout_seconds, 0, 3600));
+  ATTN_RETURN_IF_ERROR(CheckRange("session_lease_seconds", lease_s, 1, 7 * 24 * 3600));
+  ATTN_RETURN_IF_ERROR(CheckRange("session_max_pages", s.sessions.default_max_pages, 0,
+                             std::numeric_limits<int32_t>::max()));
+  ATTN_RETURN_IF_ERROR(CheckRange("max_message_bytes", s.max_message_bytes, 1 << 20, kGrpcMessageLimit));
+  ATTN_RETURN_IF_ERROR(CheckRange("max_queue_delay_us",
+                             absl::ToInt64Microseconds(s.batching.max_queue_delay), 0, 1000000));
+  ATTN_RETURN_IF_ERROR(CheckRange("max_batch_requests", s.batching.max_batch_requests, 1, 65536));
+  ATTN_RETURN_IF_ERROR(CheckRange("max_batch_tokens", s.batching.max_batch_tokens, 1, 1 << 24));
+  ATTN_RETURN_IF_ERROR(CheckRange("max_queue_requests", s.batching.max_queue_requests, 1, 1 << 20));
+  for (const v1::PoolConfig& p : c.pools()) {
+    ATTN_ASSIGN_OR_RETURN(PoolGeometry g, GeometryFromConfig(p));
+    s.pools.push_back(std::move(g));
+  }
+  return s;
+}
+
+}  // namespace attn

@@ -1,0 +1,186 @@
+#include "server/backends/cpu_backend.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "kernels/cpu/cpu_attention.h"
+#include "kernels/cpu/thread_pool.h"
+#include "server/backends/merged_batch.h"
+
+namespace attn {
+namespace {
+
+// Zero-filled anonymous mapping: pages cost memory only once written.
+class HostBuffer {
+ public:
+  static absl::StatusOr<std::unique_ptr<HostBuffer>> Create(size_t bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot map ", bytes, " bytes for a pool: ", std::strerror(errno)));
+    }
+    return std::unique_ptr<HostBuffer>(new HostBuffer(p, bytes));
+  }
+  ~HostBuffer() { munmap(data_, bytes_); }
+  bf16* data() const { return static_cast<bf16*>(data_); }
+
+ private:
+  HostBuffer(void* data, size_t bytes) : data_(data), bytes_(bytes) {}
+  void* data_;
+  size_t bytes_;
+};
+
+struct CpuPool {
+  PoolGeometry geometry;
+  std::unique_ptr<HostBuffer> storage;
+};
+
+class CpuLane final : public Lane {
+ public:
+  CpuLane(const CpuPool& pool, Op op, cpu::ThreadPool& workers)
+      : pool_(pool), op_(op), workers_(workers) {}
+
+  absl::StatusOr<LaunchStats> Run(absl::Span<AttentionCall* const> calls) override {
+    LaunchStats stats;
+    StageTimer timer;
+    merged_.Build(calls);
+    const PoolGeometry& g = pool_.geometry;
+    const bool appends = calls.front()->appends();
+    const bool want_lse = std::any_of(calls.begin(), calls.end(),
+                                      [](const AttentionCall* c) { return c->return_lse; });
+    const int64_t rows = merged_.total_q();
+    const int64_t out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
+    out_.resize(rows * g.num_qo_heads * out_dim);
+    lse_.resize(want_lse ? rows * g.num_qo_heads : 0);
+    int64_t in_elems = 0;  // bf16 inputs gathered for the launch
+
+    if (g.kind == PoolKind::kGqa) {
+      const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim;
+      const int64_t kv_row = int64_t{g.num_kv_heads} * g.head_dim;
+      q_.resize(rows * q_row);
+      GatherRows(calls, merged_, &AttentionCall::q, q_row, q_.data());
+      in_elems += rows * q_row;
+      GqaParams p;
+      p.cache = g.GqaView(pool_.storage->data());
+      p.batch = merged_.View(op_);
+      p.num_qo_heads = g.num_qo_heads;
+      p.q = q_.data();
+      if (appends) {
+        k_.resize(rows * kv_row);
+        v_.resize(rows * kv_row);
+        GatherRows(calls, merged_, &AttentionCall::k_new, kv_row, k_.data());
+        GatherRows(calls, merged_, &AttentionCall::v_new, kv_row, v_.data());
+        in_elems += 2 * rows * kv_row;
+        p.k_new = k_.data();
+        p.v_new = v_.data();
+      }
+      p.out = out_.data();
+      p.lse = want_lse ? lse_.data() : nullptr;
+      p.sm_scale = calls.front()->sm_scale;
+      timer.Next(&stats.prepare);
+      cpu::GqaAppendKv(p, workers_);
+      cpu::GqaAttention(p, workers_);
+    } else {
+      const int64_t q_row = int64_t{g.num_qo_heads} * kMlaCkvDim;
+      const int64_t pe_row = int64_t{g.num_qo_heads} * kMlaKpeDim;
+      q_.resize(rows * q_row);
+      q_pe_.resize(rows * pe_row);
+      GatherRows(calls, merged_, &AttentionCall::q, q_row, q_.data());
+      GatherRows(calls, merged_, &AttentionCall::q_pe, pe_row, q_pe_.data());
+      in_elems += rows * (q_row + pe_row);
+      MlaParams p;
+      p.cache = g.MlaView(pool_.storage->data());
+      p.batch = merged_.View(op_);
+      p.num_heads = g.num_qo_heads;
+      p.q_nope = q_.data();
+      p.q_pe = q_pe_.data();
+      if (appends) {
+        k_.resize(rows * kMlaCkvDim);
+        v_.resize(rows * kMlaKpeDim);
+        GatherRows(calls, merged_, &AttentionCall::k_new, kMlaCkvDim, k_.data());
+        GatherRows(calls, merged_, &AttentionCall::v_new, kMlaKpeDim, v_.data());
+        in_elems += rows * kMlaTokenDim;
+        p.ckv_new = k_.data();
+        p.kpe_new = v_.data();
+      }
+      p.out = out_.data();
+      p.lse = want_lse ? lse_.data() : nullptr;
+      p.sm_scale = calls.front()->sm_scale;
+      timer.Next(&stats.prepare);
+      cpu::MlaAppendKv(p, workers_);
+      cpu::MlaAttention(p, workers_);
+    }
+    timer.Next(&stats.execute);
+    stats.compute = stats.execute;
+    ScatterOutputs(calls, merged_, out_.data(), out_dim * g.num_qo_heads * sizeof(bf16),
+                   lse_.data(), g.num_qo_heads);
+    timer.Next(&stats.finish);
+    stats.bytes_in = in_elems * static_cast<int64_t>(sizeof(bf16));
+    stats.bytes_out = static_cast<int64_t>(out_.size() * sizeof(bf16) + lse_.size() * 4);
+    return stats;
+  }
+
+ private:
+  const CpuPool& pool_;
+  const Op op_;
+  cpu::ThreadPool& workers_;
+  // Scratch reused across launches: the lane's steady state allocates nothing.
+  MergedBatch merged_;
+  std::vector<bf16> q_, q_pe_, k_, v_, out_;
+  std::vector<float> lse_;
+};
+
+std::string CpuModelName() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (absl::StartsWith(line, "model name")) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return std::string(absl::StripLeadingAsciiWhitespace(
+                                                  absl::string_view(line).substr(colon + 1)));
+    }
+  }
+  return "unknown CPU";
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int threads)
+      : workers_(threads > 0 ? threads - 1 : cpu::ThreadPool::DefaultNumWorkers()) {}
+
+  std::string name() const override { return "cpu"; }
+  std::string device() const override {
+    return absl::StrCat(CpuModelName(), " (", workers_.MaxParallelism(), " threads)");
+  }
+
+  absl::Status AddPool(const PoolGeometry& geometry) override {
+    auto storage = HostBuffer::Create(geometry.TotalBytes());
+    if (!storage.ok()) return storage.status();
+    pools_.push_back(std::make_unique<CpuPool>(CpuPool{geometry, std::move(*storage)}));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<Lane>> CreateLane(int pool, Op op) override {
+    if (pool < 0 || pool >= static_cast<int>(pools_.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("no pool number ", pool));
+    }
+    return std::unique_ptr<Lane>(new CpuLane(*pools_[pool], op, workers_));
+  }
+
+ private:
+  cpu::ThreadPool workers_;
+  std::vector<std::unique_ptr<CpuPool>> pools_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> CreateCpuBackend(int threads) {
+  return std::make_unique<CpuBackend>(threads);
+}
+
+}  // namespace attn

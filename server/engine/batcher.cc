@@ -1,0 +1,193 @@
+#include "server/engine/batcher.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace attn {
+namespace {
+
+// Calls merge when one kernel launch can serve both: the same softmax scale and both appending
+// (or both not). Pool and op are the batcher's own.
+bool Mergeable(const AttentionCall& a, const AttentionCall& b) {
+  return a.sm_scale == b.sm_scale && a.appends() == b.appends();
+}
+
+void Complete(PendingCall& call, const absl::Status& status, CallReport report) {
+  report.finished = absl::Now();
+  call.done(status, report);
+}
+
+// Completes a call that never reached the backend.
+void Drop(PendingCall& call, const absl::Status& status) {
+  CallReport report;
+  report.enqueued = call.enqueued;
+  Complete(call, status, report);
+}
+
+}  // namespace
+
+Batcher::Batcher(std::string name, Op op, std::unique_ptr<Lane> lane, BatchingOptions options,
+                 BatchObserver* observer)
+    : name_(std::move(name)),
+      op_(op),
+      lane_(std::move(lane)),
+      options_(options),
+      observer_(observer),
+      thread_([this] { Loop(); }) {}
+
+Batcher::~Batcher() { Stop(); }
+
+absl::Status Batcher::Submit(std::unique_ptr<PendingCall> call) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  if (static_cast<int>(queue_.size()) >= options_.max_queue_requests) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        name_, " queue is full (", options_.max_queue_requests, " calls); retry later"));
+  }
+  queued_tokens_ += call->call.total_q;
+  call->enqueued = absl::Now();
+  queue_.push_back(std::move(call));
+  return absl::OkStatus();
+}
+
+void Batcher::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+int Batcher::queued() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(queue_.size());
+}
+
+int64_t Batcher::launches() const {
+  absl::MutexLock lock(&mu_);
+  return launches_;
+}
+
+absl::Duration Batcher::RetryHint() const {
+  absl::MutexLock lock(&mu_);
+  const int64_t launches_ahead = queue_.size() / options_.max_batch_requests + 1;
+  return std::max(absl::Milliseconds(1), launches_ahead * last_launch_);
+}
+
+bool Batcher::WaitForBatch() {
+  mu_.Await(absl::Condition(
+      +[](Batcher* b) ABSL_NO_THREAD_SAFETY_ANALYSIS { return b->stopping_ || !b->queue_.empty(); },
+      this));
+  if (queue_.empty()) return false;
+  if (stopping_) return true;
+  // Hold the oldest call at most max_queue_delay, less when a full batch is already queued.
+  const absl::Time due = queue_.front()->enqueued + options_.max_queue_delay;
+  // A timed wait whose deadline has already passed still sleeps (for the thread's timer slack,
+  // 50 us by default): with no delay left, launch at once.
+  if (absl::Now() >= due) return true;
+  mu_.AwaitWithDeadline(absl::Condition(
+                            +[](Batcher* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                              return b->stopping_ ||
+                                     static_cast<int>(b->queue_.size()) >=
+                                         b->options_.max_batch_requests ||
+                                     b->queued_tokens_ >= b->options_.max_batch_tokens;
+                            },
+                            this),
+                        due);
+  return true;
+}
+
+std::vector<std::unique_ptr<PendingCall>> Batcher::PopBatch() {
+  std::vector<std::unique_ptr<PendingCall>> batch;
+  int64_t tokens = 0;
+  // The merged page table is indexed with int32 (kernels/attention.h): one call's fits (validation
+  // bounds it), several large ones together might not.
+  int64_t pages = 0;
+  constexpr int64_t kMaxMergedPages = std::numeric_limits<int32_t>::max();
+  while (!queue_.empty() && static_cast<int>(batch.size()) < options_.max_batch_requests) {
+    PendingCall& next = *queue_.front();
+    const int64_t next_pages = static_cast<int64_t>(next.call.kv_indices.size());
+    if (!batch.empty() && (!Mergeable(batch.front()->call, next.call) ||
+                           tokens + next.call.total_q > options_.max_batch_tokens ||
+                           pages + next_pages > kMaxMergedPages)) {
+      break;
+    }
+    tokens += next.call.total_q;
+    pages += next_pages;
+    queued_tokens_ -= next.call.total_q;
+    batch.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  return batch;
+}
+
+void Batcher::FailQueued() {
+  for (std::unique_ptr<PendingCall>& p : queue_) {
+    Drop(*p, absl::UnavailableError("the server is shutting down"));
+  }
+  queue_.clear();
+  queued_tokens_ = 0;
+}
+
+void Batcher::Loop() {
+  for (;;) {
+    std::vector<std::unique_ptr<PendingCall>> batch;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!WaitForBatch()) return;
+      if (stopping_) {
+        FailQueued();  // what is still queued never reaches the backend
+        return;
+      }
+      batch = PopBatch();
+    }
+    Launch(std::move(batch));
+  }
+}
+
+void Batcher::Launch(std::vector<std::unique_ptr<PendingCall>> batch) {
+  const absl::Time now = absl::Now();
+  std::vector<AttentionCall*> calls;
+  std::vector<std::unique_ptr<PendingCall>> live;
+  for (std::unique_ptr<PendingCall>& p : batch) {
+    if (p->is_cancelled && p->is_cancelled()) {
+      Drop(*p, absl::CancelledError("the client cancelled the call before it ran"));
+    } else if (p->deadline <= now) {
+      Drop(*p, absl::DeadlineExceededError("the deadline passed while the call was queued"));
+    } else {
+      calls.push_back(&p->call);
+      live.push_back(std::move(p));
+    }
+  }
+  if (calls.empty()) return;
+
+  int tokens = 0;
+  for (const AttentionCall* c : calls) tokens += c->total_q;
+  if (observer_) {
+    for (const auto& p : live) observer_->OnQueueWait(op_, now - p->enqueued);
+  }
+  absl::StatusOr<LaunchStats> stats = lane_->Run(absl::MakeConstSpan(calls));
+  {
+    absl::MutexLock lock(&mu_);
+    ++launches_;
+    last_launch_ = absl::Now() - now;
+  }
+  if (stats.ok() && observer_) {
+    observer_->OnLaunch(op_, static_cast<int>(calls.size()), tokens, *stats);
+  }
+  for (const auto& p : live) {
+    CallReport report;
+    report.enqueued = p->enqueued;
+    report.launched = now;
+    if (stats.ok()) report.launch = *stats;
+    report.batch_requests = static_cast<int>(calls.size());
+    report.batch_tokens = tokens;
+    Complete(*p, stats.status(), report);
+  }
+}
+
+}  // namespace attn

@@ -1,0 +1,189 @@
+#include "server/metrics/metrics.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "prometheus/text_serializer.h"
+
+namespace attn {
+namespace {
+
+using prometheus::Histogram;
+
+// 5 us .. 10 s in a 1-2-5 series.
+Histogram::BucketBoundaries LatencyBuckets() {
+  Histogram::BucketBoundaries b;
+  for (double decade = 1e-6; decade < 10; decade *= 10) {
+    for (double m : {1.0, 2.0, 5.0}) {
+      const double v = m * decade;
+      if (v >= 5e-6 - 1e-12 && v <= 10 + 1e-9) b.push_back(v);
+    }
+  }
+  b.push_back(10);
+  return b;
+}
+
+// 1, 2, 4, ... up to `max`.
+Histogram::BucketBoundaries PowersOfTwo(double max) {
+  Histogram::BucketBoundaries b;
+  for (double v = 1; v <= max; v *= 2) b.push_back(v);
+  return b;
+}
+
+std::string CodeName(absl::StatusCode code) {
+  return absl::AsciiStrToLower(absl::StatusCodeToString(code));
+}
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+}  // namespace
+
+Metrics::Metrics(const std::string& version, const std::string& backend,
+                 const std::string& device)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      rpc_duration_(prometheus::BuildHistogram()
+                        .Name("attn_rpc_duration_seconds")
+                        .Help("Server-side time from a call's arrival to its completion")
+                        .Register(*registry_)),
+      rpc_requests_(prometheus::BuildCounter()
+                        .Name("attn_rpc_requests_total")
+                        .Help("Finished calls by method and status code")
+                        .Register(*registry_)),
+      request_errors_(prometheus::BuildCounter()
+                          .Name("attn_request_errors_total")
+                          .Help("Failed calls by method and reason (the status code)")
+                          .Register(*registry_)),
+      kv_pages_(prometheus::BuildGauge()
+                    .Name("attn_kv_pages")
+                    .Help("KV cache pages by pool and state (free or used)")
+                    .Register(*registry_)),
+      kv_pages_capacity_(prometheus::BuildGauge()
+                             .Name("attn_kv_pages_capacity")
+                             .Help("KV cache pages a pool holds")
+                             .Register(*registry_)),
+      alloc_failures_(prometheus::BuildCounter()
+                          .Name("attn_page_alloc_failures_total")
+                          .Help("AllocatePages calls refused because the pool was too full")
+                          .Register(*registry_)),
+      pages_reclaimed_(prometheus::BuildCounter()
+                           .Name("attn_pages_reclaimed_total")
+                           .Help("Pages of sessions whose lease expired, returned to the pool")
+                           .Register(*registry_)),
+      transfer_bytes_(prometheus::BuildCounter()
+                          .Name("attn_transfer_bytes_total")
+                          .Help("Bytes moved to the backend (in: inputs) and back (out: outputs)")
+                          .Register(*registry_)),
+      bytes_in_(transfer_bytes_.Add({{"direction", "in"}})),
+      bytes_out_(transfer_bytes_.Add({{"direction", "out"}})),
+      inflight_(prometheus::BuildGauge()
+                    .Name("attn_inflight_requests")
+                    .Help("Calls received and not yet finished")
+                    .Register(*registry_)
+                    .Add({})) {
+  auto& queue_wait = prometheus::BuildHistogram()
+                         .Name("attn_queue_wait_seconds")
+                         .Help("Time a call waited in its batcher's queue")
+                         .Register(*registry_);
+  auto& kernel = prometheus::BuildHistogram()
+                     .Name("attn_kernel_duration_seconds")
+                     .Help("Append + attention time of a launch (device time on the GPU)")
+                     .Register(*registry_);
+  auto& stage = prometheus::BuildHistogram()
+                    .Name("attn_launch_stage_seconds")
+                    .Help("Time of each stage of a launch: prepare (merge, plan, gather inputs), "
+                          "execute (copies and kernels), finish (write outputs)")
+                    .Register(*registry_);
+  auto& batch_requests = prometheus::BuildHistogram()
+                             .Name("attn_batch_requests")
+                             .Help("Calls merged into one launch")
+                             .Register(*registry_);
+  auto& batch_tokens = prometheus::BuildHistogram()
+                           .Name("attn_batch_tokens")
+                           .Help("Query tokens in one launch")
+                           .Register(*registry_);
+  for (Op op : {Op::kPrefill, Op::kDecode}) {
+    const prometheus::Labels labels{{"op", OpName(op)}};
+    auto stage_series = [&](const char* name) {
+      return &stage.Add({{"op", OpName(op)}, {"stage", name}}, LatencyBuckets());
+    };
+    ops_[static_cast<int>(op)] = OpMetrics{&queue_wait.Add(labels, LatencyBuckets()),
+                                           &kernel.Add(labels, LatencyBuckets()),
+                                           stage_series("prepare"),
+                                           stage_series("execute"),
+                                           stage_series("finish"),
+                                           &batch_requests.Add(labels, PowersOfTwo(1024)),
+                                           &batch_tokens.Add(labels, PowersOfTwo(1 << 20))};
+  }
+  prometheus::BuildGauge()
+      .Name("attn_build_info")
+      .Help("Version, backend and device of this server (value 1)")
+      .Register(*registry_)
+      .Add({{"version", version}, {"backend", backend}, {"device", device}})
+      .Set(1);
+}
+
+Metrics::~Metrics() = default;
+
+absl::StatusOr<int> Metrics::Serve(const std::string& host, int port) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat(host, ":", port));
+  } catch (const std::exception& e) {  // civetweb reports a failed bind by throwing
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", host, ":", port, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  return ports.empty() ? port : ports.front();
+}
+
+std::string Metrics::Scrape() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+void Metrics::OnRpc(const char* method, const absl::Status& status, absl::Duration duration) {
+  const std::string code = CodeName(status.code());
+  rpc_duration_.Add({{"method", method}, {"code", code}}, LatencyBuckets())
+      .Observe(Seconds(duration));
+  rpc_requests_.Add({{"method", method}, {"code", code}}).Increment();
+  if (!status.ok()) request_errors_.Add({{"method", method}, {"reason", code}}).Increment();
+}
+
+void Metrics::AddPool(const std::string& pool, int total_pages) {
+  alloc_failures_.Add({{"pool", pool}});
+  pages_reclaimed_.Add({{"pool", pool}});
+  SetPoolPages(pool, total_pages, total_pages);
+}
+
+void Metrics::SetPoolPages(const std::string& pool, int free_pages, int total_pages) {
+  kv_pages_.Add({{"pool", pool}, {"state", "free"}}).Set(free_pages);
+  kv_pages_.Add({{"pool", pool}, {"state", "used"}}).Set(total_pages - free_pages);
+  kv_pages_capacity_.Add({{"pool", pool}}).Set(total_pages);
+}
+
+void Metrics::OnAllocationFailure(const std::string& pool) {
+  alloc_failures_.Add({{"pool", pool}}).Increment();
+}
+
+void Metrics::OnPagesReclaimed(const std::string& pool, int pages) {
+  pages_reclaimed_.Add({{"pool", pool}}).Increment(pages);
+}
+
+void Metrics::OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) {
+  const OpMetrics& m = ops_[static_cast<int>(op)];
+  m.kernel->Observe(Seconds(stats.compute));
+  m.prepare->Observe(Seconds(stats.prepare));
+  m.execute->Observe(Seconds(stats.execute));
+  m.finish->Observe(Seconds(stats.finish));
+  m.batch_requests->Observe(requests);
+  m.batch_tokens->Observe(tokens);
+  bytes_in_.Increment(static_cast<double>(stats.bytes_in));
+  bytes_out_.Increment(static_cast<double>(stats.bytes_out));
+}
+
+void Metrics::OnQueueWait(Op op, absl::Duration wait) {
+  ops_[static_cast<int>(op)].queue_wait->Observe(Seconds(wait));
+}
+
+}  // namespace attn

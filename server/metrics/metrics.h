@@ -1,0 +1,81 @@
+// Prometheus metrics of the server (prometheus-cpp), served at /metrics.
+//
+// Names follow Prometheus conventions: prefix attn_, base units (seconds, bytes), counters end in
+// _total, and every label set is bounded (methods, status codes, ops, pools, directions; never a
+// client or sequence id). Latency histograms use 1-2-5 buckets from 5 microseconds to 10 seconds;
+// batch-size histograms use powers of two. Thread safe.
+#pragma once
+
+#include <array>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "server/engine/batcher.h"
+
+namespace attn {
+
+class Metrics final : public BatchObserver {
+ public:
+  Metrics(const std::string& version, const std::string& backend, const std::string& device);
+  ~Metrics() override;
+
+  // Serves /metrics on host:port (port 0 picks a free one); returns the bound port.
+  absl::StatusOr<int> Serve(const std::string& host, int port);
+
+  // The text exposition (what a scrape returns), for tests and debugging.
+  std::string Scrape() const;
+
+  // One finished RPC (server-side end to end) and, when it failed, why.
+  void OnRpc(const char* method, const absl::Status& status, absl::Duration duration);
+  void OnRpcStarted() { inflight_.Increment(); }
+  void OnRpcFinished() { inflight_.Decrement(); }
+
+  // Creates a pool's series at zero (so rates start from the first scrape) and sets its pages.
+  void AddPool(const std::string& pool, int total_pages);
+  void SetPoolPages(const std::string& pool, int free_pages, int total_pages);
+  void OnAllocationFailure(const std::string& pool);
+  // Pages of sessions whose lease expired, returned to the pool.
+  void OnPagesReclaimed(const std::string& pool, int pages);
+
+  // BatchObserver (called on batcher threads).
+  void OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) override;
+  void OnQueueWait(Op op, absl::Duration wait) override;
+
+ private:
+  struct OpMetrics {
+    prometheus::Histogram* queue_wait;
+    prometheus::Histogram* kernel;
+    prometheus::Histogram* prepare;  // attn_launch_stage_seconds by stage
+    prometheus::Histogram* execute;
+    prometheus::Histogram* finish;
+    prometheus::Histogram* batch_requests;
+    prometheus::Histogram* batch_tokens;
+  };
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  prometheus::Family<prometheus::Histogram>& rpc_duration_;
+  prometheus::Family<prometheus::Counter>& rpc_requests_;
+  prometheus::Family<prometheus::Counter>& request_errors_;
+  prometheus::Family<prometheus::Gauge>& kv_pages_;
+  prometheus::Family<prometheus::Gauge>& kv_pages_capacity_;
+  prometheus::Family<prometheus::Counter>& alloc_failures_;
+  prometheus::Family<prometheus::Counter>& pages_reclaimed_;
+  prometheus::Family<prometheus::Counter>& transfer_bytes_;
+  prometheus::Counter& bytes_in_;
+  prometheus::Counter& bytes_out_;
+  prometheus::Gauge& inflight_;
+  std::array<OpMetrics, 2> ops_;  // indexed by Op
+};
+
+}  // namespace attn

@@ -1,0 +1,91 @@
+#include "server/metrics/metrics.h"
+
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace attn {
+namespace {
+
+bool Has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(MetricsTest, ExposesEveryFamilyWithItsType) {
+  Metrics m("1.2.3", "cpu", "test device");
+  const std::string text = m.Scrape();
+  for (const char* family :
+       {"# TYPE attn_queue_wait_seconds histogram", "# TYPE attn_kernel_duration_seconds histogram",
+        "# TYPE attn_launch_stage_seconds histogram",
+        "# TYPE attn_batch_requests histogram", "# TYPE attn_batch_tokens histogram",
+        "# TYPE attn_transfer_bytes_total counter", "# TYPE attn_inflight_requests gauge",
+        "# TYPE attn_build_info gauge"}) {
+    EXPECT_TRUE(Has(text, family)) << family;
+  }
+  EXPECT_TRUE(Has(text, R"(attn_build_info{backend="cpu",device="test device",version="1.2.3"} 1)"))
+      << text;
+}
+
+TEST(MetricsTest, RpcsCountAndTime) {
+  Metrics m("v", "cpu", "d");
+  m.OnRpcStarted();
+  m.OnRpc("Decode", absl::OkStatus(), absl::Microseconds(30));
+  m.OnRpcFinished();
+  m.OnRpc("Decode", absl::InvalidArgumentError("bad"), absl::Microseconds(3));
+  const std::string text = m.Scrape();
+  EXPECT_TRUE(Has(text, R"(attn_rpc_requests_total{code="ok",method="Decode"} 1)")) << text;
+  EXPECT_TRUE(Has(text, R"(attn_rpc_requests_total{code="invalid_argument",method="Decode"} 1)"));
+  EXPECT_TRUE(Has(text,
+                  R"(attn_request_errors_total{method="Decode",reason="invalid_argument"} 1)"));
+  // 30 us falls in the 5e-05 bucket, not the 2e-05 one; buckets run from 5 us to 10 s.
+  EXPECT_TRUE(Has(text, R"(attn_rpc_duration_seconds_bucket{code="ok",method="Decode",le="2e-05"} 0)"))
+      << text;
+  EXPECT_TRUE(Has(text, R"(attn_rpc_duration_seconds_bucket{code="ok",method="Decode",le="5e-05"} 1)"));
+  EXPECT_TRUE(Has(text, R"(le="5e-06")"));
+  EXPECT_TRUE(Has(text, R"(le="10")"));
+  EXPECT_TRUE(Has(text, "attn_inflight_requests 0"));
+}
+
+TEST(MetricsTest, LaunchesPoolsAndTransfers) {
+  Metrics m("v", "cpu", "d");
+  LaunchStats stats;
+  stats.compute = absl::Milliseconds(2);
+  stats.prepare = absl::Microseconds(40);
+  stats.execute = absl::Milliseconds(3);
+  stats.finish = absl::Microseconds(60);
+  stats.bytes_in = 1000;
+  stats.bytes_out = 10;
+  m.OnLaunch(Op::kDecode, 3, 24, stats);
+  m.OnQueueWait(Op::kDecode, absl::Microseconds(7));
+  m.AddPool("gqa", 100);
+  EXPECT_TRUE(Has(m.Scrape(), R"(attn_pages_reclaimed_total{pool="gqa"} 0)"));
+  m.SetPoolPages("gqa", 90, 100);
+  m.OnAllocationFailure("gqa");
+  m.OnPagesReclaimed("gqa", 7);
+  const std::string text = m.Scrape();
+  EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",le="2"} 0)")) << text;
+  EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",le="4"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_batch_tokens_sum{op="decode"} 24)"));
+  EXPECT_TRUE(Has(text, R"(attn_kernel_duration_seconds_count{op="decode"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_queue_wait_seconds_count{op="decode"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="prepare"} 4e-05)"))
+      << text;
+  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="execute"} 0.003)"));
+  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="finish"} 6e-05)"));
+  EXPECT_TRUE(Has(text, R"(attn_transfer_bytes_total{direction="in"} 1000)"));
+  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="free"} 90)"));
+  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="used"} 10)"));
+  EXPECT_TRUE(Has(text, R"(attn_kv_pages_capacity{pool="gqa"} 100)"));
+  EXPECT_TRUE(Has(text, R"(attn_page_alloc_failures_total{pool="gqa"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_pages_reclaimed_total{pool="gqa"} 7)"));
+}
+
+TEST(MetricsTest, ServesOnAFreePort) {
+  Metrics m("v", "cpu", "d");
+  absl::StatusOr<int> port = m.Serve("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok()) << port.status();
+  EXPECT_GT(*port, 0);
+}
+
+}  // namespace
+}  // namespace attn

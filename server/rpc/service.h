@@ -1,0 +1,107 @@
+// The gRPC edge: AttentionService over an Engine. Handlers check the caller's token, validate,
+// enqueue and return without blocking; the batcher thread finishes Prefill and Decode calls.
+//
+// Every method is registered "raw" (the request arrives as bytes): the service parses it itself,
+// so bytes that are not a valid request get INVALID_ARGUMENT with a message, where gRPC's own
+// parsing would answer UNIMPLEMENTED with none.
+#pragma once
+
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "server/rpc/auth.h"
+#include "server/engine/engine.h"
+#include "server/metrics/metrics.h"
+
+namespace attn {
+
+namespace v1 = ::attnserve::v1;
+
+inline constexpr char kVersion[] = "0.1.0";
+
+// AttentionService with every method taking the request as raw bytes.
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServerInfo<
+    v1::AttentionService::WithRawCallbackMethod_AllocatePages<
+        v1::AttentionService::WithRawCallbackMethod_FreePages<
+            v1::AttentionService::WithRawCallbackMethod_Prefill<
+                v1::AttentionService::WithRawCallbackMethod_Decode<
+                    v1::AttentionService::WithRawCallbackMethod_OpenSession<
+                        v1::AttentionService::WithRawCallbackMethod_CloseSession<
+                            v1::AttentionService::Service>>>>>>>;
+
+class AttentionServiceImpl final : public RawAttentionService {
+ public:
+  // `engine`, `metrics` and `auth` must outlive the service.
+  AttentionServiceImpl(Engine* engine, Metrics* metrics, const Authorizer* auth,
+                       int64_t max_message_bytes);
+
+  // Graceful drain: from now on Prefill, Decode and AllocatePages answer UNAVAILABLE (FreePages
+  // and GetServerInfo keep working so clients can give their pages back); calls already accepted
+  // run to completion.
+  void StartDrain();
+  // Waits until every accepted Prefill/Decode has finished, or until `deadline`. True if idle.
+  bool WaitForIdle(absl::Time deadline);
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const grpc::ByteBuffer* in,
+                                          grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* AllocatePages(grpc::CallbackServerContext* ctx,
+                                          const grpc::ByteBuffer* in,
+                                          grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* FreePages(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in,
+                                      grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in,
+                                    grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in,
+                                   grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* in,
+                                        grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const grpc::ByteBuffer* in,
+                                         grpc::ByteBuffer* out) override;
+
+ private:
+  // One call: its parsed request, its response, and how it finishes (service.cc).
+  template <typename Request, typename Response>
+  class Call;
+  template <typename Request, typename Response>
+  using Handler = void (AttentionServiceImpl::*)(Call<Request, Response>&);
+
+  // Parses the request, checks the token, runs `handle`, which finishes the call (now or later).
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Serve(const char* method, grpc::CallbackServerContext* ctx,
+                                  const grpc::ByteBuffer* in, grpc::ByteBuffer* out,
+                                  Handler<Request, Response> handle);
+
+  void HandleGetServerInfo(Call<v1::GetServerInfoRequest, v1::GetServerInfoResponse>& call);
+  void HandleAllocatePages(Call<v1::AllocatePagesRequest, v1::AllocatePagesResponse>& call);
+  void HandleFreePages(Call<v1::FreePagesRequest, v1::FreePagesResponse>& call);
+  void HandleOpenSession(Call<v1::OpenSessionRequest, v1::OpenSessionResponse>& call);
+  void HandleCloseSession(Call<v1::CloseSessionRequest, v1::CloseSessionResponse>& call);
+  template <typename Request>
+  void HandleAttention(Call<Request, v1::AttentionResponse>& call);
+
+  // OK when the call's bearer token may call `method` (always, without configured tokens).
+  absl::Status Authorize(grpc::CallbackServerContext* ctx, const char* method) const;
+  // The session a call names, or its connection's implicit one; renews the lease.
+  absl::StatusOr<SessionId> Session(grpc::CallbackServerContext* ctx, const std::string& handle);
+  void UpdatePoolGauges(const Engine::Pool& pool);
+
+  // Counts an accepted attention call, or returns UNAVAILABLE while draining.
+  absl::Status Admit();
+  void Release();
+  bool draining();
+
+  Engine* const engine_;
+  Metrics* const metrics_;
+  const Authorizer* const auth_;
+  const int64_t max_message_bytes_;
+  absl::Mutex mu_;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  int active_calls_ ABSL_GUARDED_BY(mu_) = 0;  // accepted Prefill/Decode not yet finished
+};
+
+}  // namespace attn
