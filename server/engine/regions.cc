@@ -1,0 +1,230 @@
+#include "server/engine/regions.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace attn {
+
+struct RegionUse::Region {
+  Region(std::string n, std::unique_ptr<MappedMemory> m)
+      : name(std::move(n)), memory(std::move(m)) {}
+  const std::string name;
+  const std::unique_ptr<MappedMemory> memory;
+  std::atomic<int> in_use{0};  // RegionUses holding it
+};
+
+RegionUse::~RegionUse() {
+  for (const auto& region : regions_) region->in_use.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+absl::Status RegionUse::CheckIntact() const {
+  for (const auto& region : regions_) {
+    if (region->memory->broken()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "region '", region->name,
+          "': its memory went away during the call (the shared-memory object was truncated)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+bool ValidName(absl::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '_' || c == '.' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// A client's region name as messages show it: at most 64 bytes, non-printable bytes escaped.
+std::string Shown(absl::string_view name) {
+  std::string out;
+  for (char c : name.substr(0, 64)) {
+    if (c >= 0x20 && c < 0x7f && c != '\'') {
+      out.push_back(c);
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+    }
+  }
+  if (name.size() > 64) absl::StrAppend(&out, "... (", name.size(), " bytes)");
+  return out;
+}
+
+}  // namespace
+
+RegionTable::Slot* RegionTable::FindLocked(SessionId session, absl::string_view name) {
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return nullptr;
+  auto it = s->second.by_name.find(name);
+  return it == s->second.by_name.end() ? nullptr : &it->second;
+}
+
+std::shared_ptr<RegionUse::Region> RegionTable::EraseLocked(SessionId session,
+                                                            absl::string_view name) {
+  auto s = sessions_.find(session);
+  auto it = s->second.by_name.find(name);
+  std::shared_ptr<RegionUse::Region> region = std::move(it->second.region);
+  s->second.bytes -= it->second.size;
+  s->second.by_name.erase(it);
+  if (s->second.by_name.empty()) sessions_.erase(s);
+  return region;
+}
+
+absl::Status RegionTable::Reserve(SessionId session, absl::string_view name, int64_t size) {
+  if (!ValidName(name)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region name '", Shown(name), "' must be 1-64 characters of [A-Za-z0-9_.-]"));
+  }
+  if (size < kRegionHeaderBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("size = ", size, " is below the ", kRegionHeaderBytes, "-byte region header"));
+  }
+  absl::MutexLock lock(&mu_);
+  SessionRegions& s = sessions_[session];
+  if (s.by_name.contains(name)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("region '", name, "' is already registered by this session"));
+  }
+  const int count = static_cast<int>(s.by_name.size());
+  absl::Status refused;
+  if (count + 1 > limits_.max_regions_per_session) {
+    refused = absl::ResourceExhaustedError(absl::StrCat("the session has ", count,
+                                                        " regions; the server allows ",
+                                                        limits_.max_regions_per_session));
+  } else if (size > limits_.max_bytes_per_session - s.bytes) {
+    refused = absl::ResourceExhaustedError(absl::StrCat(
+        "size = ", size, " bytes: the session's regions would exceed the server's limit of ",
+        limits_.max_bytes_per_session, " bytes (", s.bytes, " registered)"));
+  }
+  if (!refused.ok()) {
+    if (s.by_name.empty()) sessions_.erase(session);
+    return refused;
+  }
+  s.by_name.emplace(name, Slot{size, nullptr});
+  s.bytes += size;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegionInfo> RegionTable::Commit(SessionId session, absl::string_view name,
+                                               std::unique_ptr<MappedMemory> memory) {
+  {
+    absl::MutexLock lock(&mu_);
+    Slot* slot = FindLocked(session, name);
+    if (slot != nullptr && slot->region == nullptr) {
+      slot->size = memory->size();
+      slot->region = std::make_shared<RegionUse::Region>(std::string(name), std::move(memory));
+      return RegionInfo{slot->region->name, slot->region->memory->kind(), slot->size, 0};
+    }
+  }
+  // The session was released meanwhile; `memory` is unmapped here, outside the lock.
+  return absl::NotFoundError(
+      absl::StrCat("region '", name, "': the session closed while the region was being mapped"));
+}
+
+void RegionTable::Abandon(SessionId session, absl::string_view name) {
+  absl::MutexLock lock(&mu_);
+  Slot* slot = FindLocked(session, name);
+  if (slot != nullptr && slot->region == nullptr) EraseLocked(session, name);
+}
+
+absl::Status RegionTable::Remove(SessionId session, absl::string_view name) {
+  std::shared_ptr<RegionUse::Region> removed;  // unmapped once the lock is released
+  absl::MutexLock lock(&mu_);
+  Slot* slot = FindLocked(session, name);
+  if (slot == nullptr || slot->region == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("region '", Shown(name), "' is not registered by this session"));
+  }
+  if (const int users = slot->region->in_use.load(); users > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("region '", name, "' is in use by ", users, " queued or running call(s)"));
+  }
+  removed = EraseLocked(session, name);
+  return absl::OkStatus();
+}
+
+std::vector<RegionInfo> RegionTable::List(SessionId session) const {
+  std::vector<RegionInfo> out;
+  absl::MutexLock lock(&mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return out;
+  for (const auto& [name, slot] : s->second.by_name) {
+    if (slot.region == nullptr) continue;
+    out.push_back(
+        RegionInfo{name, slot.region->memory->kind(), slot.size, slot.region->in_use.load()});
+  }
+  return out;
+}
+
+int RegionTable::ReleaseSession(SessionId session) {
+  SessionRegions released;  // regions no call uses are unmapped as this goes, outside the lock
+  {
+    absl::MutexLock lock(&mu_);
+    auto s = sessions_.find(session);
+    if (s == sessions_.end()) return 0;
+    released = std::move(s->second);
+    sessions_.erase(s);
+  }
+  int count = 0;
+  for (const auto& [name, slot] : released.by_name) count += slot.region != nullptr;
+  return count;
+}
+
+absl::StatusOr<RegionUse> RegionTable::Resolve(SessionId session,
+                                               absl::Span<const SliceRef> slices) {
+  RegionUse use;
+  absl::MutexLock lock(&mu_);
+  for (const SliceRef& slice : slices) {
+    Slot* slot = FindLocked(session, slice.region);
+    if (slot == nullptr || slot->region == nullptr) {
+      return absl::NotFoundError(absl::StrCat(slice.field, ": region '", Shown(slice.region),
+                                              "' is not registered by this session"));
+    }
+    const std::shared_ptr<RegionUse::Region>& shared = slot->region;
+    const RegionUse::Region& region = *shared;
+    const int64_t size = region.memory->size();
+    if (slice.offset < 0 || slice.offset % kRegionSliceAlignment != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(slice.field, ": offset = ", slice.offset,
+                                                     " must be a non-negative multiple of ",
+                                                     kRegionSliceAlignment));
+    }
+    // Both are non-negative, so size - offset cannot overflow.
+    if (slice.bytes < 0 || slice.offset > size || slice.bytes > size - slice.offset) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          slice.field, ": bytes [", slice.offset, ", ", slice.offset, " + ", slice.bytes,
+          ") lie outside region '", region.name, "' of ", size, " bytes"));
+    }
+    if (region.memory->broken()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          slice.field, ": region '", region.name,
+          "' lost its memory (the shared-memory object was truncated); unregister it"));
+    }
+    int index = -1;
+    for (size_t r = 0; r < use.regions_.size(); ++r) {
+      if (use.regions_[r] == shared) index = static_cast<int>(r);
+    }
+    if (index < 0) {
+      index = static_cast<int>(use.regions_.size());
+      use.regions_.push_back(shared);
+      shared->in_use.fetch_add(1, std::memory_order_acq_rel);
+    }
+    use.slices_.push_back({region.memory->data() + slice.offset, region.memory->kind(), index});
+  }
+  return use;
+}
+
+int RegionTable::size() const {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (const auto& [session, s] : sessions_) {
+    for (const auto& [name, slot] : s.by_name) n += slot.region != nullptr;
+  }
+  return n;
+}
+
+}  // namespace attn
