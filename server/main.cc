@@ -3,9 +3,12 @@
 // flags below override single settings.
 #include <pthread.h>
 #include <signal.h>
+#include <sys/stat.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -36,9 +39,13 @@
 
 // Sentinels ("" and -1) mean "not given": the config file or the embedded default applies.
 ABSL_FLAG(std::string, config, "", "Text-format attnserve.v1.ServerConfig file");
-ABSL_FLAG(std::string, listen_address, "", "host:port to serve on (default 127.0.0.1:50051)");
-ABSL_FLAG(int, metrics_port, -1,
-          "Port of the Prometheus /metrics endpoint on the listen host (default 9464), 0 = off");
+ABSL_FLAG(std::string, listen_address, "",
+          "host:port or unix:PATH to serve on (default 127.0.0.1:50051)");
+ABSL_FLAG(std::string, unix_socket_mode, "",
+          "File mode of the unix:PATH socket, octal (e.g. 0660; default: as created)");
+ABSL_FLAG(int, metrics_port, -1, "Port of the Prometheus /metrics endpoint (default 9464), 0 = off");
+ABSL_FLAG(std::string, metrics_address, "",
+          "HOST or HOST:PORT /metrics binds (default: the listen host; 127.0.0.1 for unix:)");
 ABSL_FLAG(std::string, backend, "", "auto, cpu or cuda (default auto: cuda when a GPU is present)");
 ABSL_FLAG(int, cpu_threads, -1, "CPU backend threads (default: hardware concurrency)");
 ABSL_FLAG(int64_t, max_message_bytes, -1, "Largest request/response (default 512 MiB)");
@@ -84,6 +91,8 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   ConfigOverrides o;
   o.listen_address = Given(FLAGS_listen_address);
   o.metrics_port = Given(FLAGS_metrics_port);
+  o.metrics_address = Given(FLAGS_metrics_address);
+  o.unix_socket_mode = Given(FLAGS_unix_socket_mode);
   o.backend = Given(FLAGS_backend);
   o.cpu_threads = Given(FLAGS_cpu_threads);
   o.max_message_bytes = Given(FLAGS_max_message_bytes);
@@ -152,8 +161,24 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::T
   return grpc::SslServerCredentials(ssl);
 }
 
-// The host part of a host:port listen address ("[::]" stays bracketed).
-std::string ListenHost(const std::string& listen) { return listen.substr(0, listen.rfind(':')); }
+// HTTP/2 settings for messages of megabytes (prefill q and K/V): the largest frames HTTP/2
+// allows and large socket reads, so a message is not cut into 16 KiB frames and 8 KiB reads.
+// Measured in bench/RESULTS.md ("bytes path").
+void TuneTransport(grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
+  builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, 4 << 20);
+  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
+  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 << 20);
+}
+
+// Sets the socket file's mode of a unix:PATH address (the umask applied while it was created).
+absl::Status SetSocketMode(const std::string& listen, int mode) {
+  const std::string path = listen.substr(std::string("unix:").size());
+  if (chmod(path.c_str(), static_cast<mode_t>(mode)) != 0) {
+    return absl::InternalError(absl::StrCat("chmod ", path, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
 
 int Run() {
   absl::StatusOr<ServerOptions> options = OptionsFromFlags();
@@ -181,7 +206,7 @@ int Run() {
     std::cerr << "attnserve: " << engine.status() << "\n";
     return 1;
   }
-  const std::string host = ListenHost(options->listen_address);
+  const std::string& host = options->metrics_host;
   if (options->metrics_port > 0) {
     absl::StatusOr<int> port = metrics.Serve(host, options->metrics_port);
     if (!port.ok()) {
@@ -205,11 +230,26 @@ int Run() {
   builder.AddListeningPort(options->listen_address, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options->max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options->max_message_bytes));
+  TuneTransport(builder);
   builder.RegisterService(&service);
+  const bool unix_socket = absl::StartsWith(options->listen_address, "unix");
+  // No moment with a looser mode: the umask applies while gRPC creates the socket.
+  const mode_t umask_before =
+      options->unix_socket_mode >= 0 ? umask(~static_cast<mode_t>(options->unix_socket_mode) & 0777)
+                                     : 0;
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (options->unix_socket_mode >= 0) umask(umask_before);
+  // gRPC reports port 1 for a bound unix socket.
   if (server == nullptr || port == 0) {
     std::cerr << "attnserve: cannot listen on " << options->listen_address << "\n";
     return 1;
+  }
+  if (options->unix_socket_mode >= 0) {
+    if (absl::Status st = SetSocketMode(options->listen_address, options->unix_socket_mode);
+        !st.ok()) {
+      std::cerr << "attnserve: " << st << "\n";
+      return 1;
+    }
   }
   // Kubernetes probes cannot present client certificates or tokens: a plaintext port that
   // serves only grpc.health.v1, following the main server's status.
@@ -233,7 +273,13 @@ int Run() {
             << (options->tls.cert_file().empty() ? "" : ", TLS")
             << (options->tls.client_ca_file().empty() ? "" : " with client certificates")
             << (auth->enabled() ? ", bearer tokens" : "") << "\n";
-  std::cout << "attnserve listening on " << host << ":" << port << std::endl;
+  if (unix_socket) {
+    std::cout << "attnserve listening on " << options->listen_address << std::endl;
+  } else {
+    const std::string& listen = options->listen_address;
+    std::cout << "attnserve listening on " << listen.substr(0, listen.rfind(':')) << ":" << port
+              << std::endl;
+  }
 
 
   // Signals were blocked before any thread started; this thread takes them. The first asks for a

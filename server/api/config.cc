@@ -5,6 +5,8 @@
 #include <limits>
 #include <sstream>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/text_format.h"
 #include "server/api/pool_config.h"
@@ -21,6 +23,58 @@ absl::Status CheckRange(const char* name, int64_t value, int64_t lo, int64_t hi)
     return absl::InvalidArgumentError(
         absl::StrCat(name, " = ", value, " is outside [", lo, ", ", hi, "]"));
   }
+  return absl::OkStatus();
+}
+
+bool IsUnixAddress(absl::string_view address) {
+  return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
+}
+
+// metrics_address is "host", "host:port" or "[v6]:port"; empty takes the listen host. A port
+// given there wins over metrics_port.
+absl::Status ResolveMetricsAddress(absl::string_view address, ServerOptions* s) {
+  if (address.empty()) {
+    s->metrics_host = IsUnixAddress(s->listen_address)
+                          ? "127.0.0.1"
+                          : s->listen_address.substr(0, s->listen_address.rfind(':'));
+    return absl::OkStatus();
+  }
+  const size_t colon = address.rfind(':');
+  const bool has_port = colon != absl::string_view::npos &&
+                        (address.front() != '[' || address[colon - 1] == ']');
+  if (!has_port) {
+    s->metrics_host = std::string(address);
+    return absl::OkStatus();
+  }
+  int port = 0;
+  if (!absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535 ||
+      colon == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics_address = '", address, "'; expected HOST or HOST:PORT"));
+  }
+  s->metrics_host = std::string(address.substr(0, colon));
+  s->metrics_port = port;
+  return absl::OkStatus();
+}
+
+absl::Status ParseFileMode(absl::string_view text, ServerOptions* s) {
+  if (text.empty()) return absl::OkStatus();
+  int mode = 0;
+  for (char c : text) {
+    if (c < '0' || c > '7' || mode > 0777) {
+      mode = -1;
+      break;
+    }
+    mode = mode * 8 + (c - '0');
+  }
+  if (mode < 0 || mode > 0777) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unix_socket_mode = '", text, "'; expected an octal mode such as 0660"));
+  }
+  if (!absl::StartsWith(s->listen_address, "unix:")) {
+    return absl::InvalidArgumentError("unix_socket_mode needs a unix:PATH listen_address");
+  }
+  s->unix_socket_mode = mode;
   return absl::OkStatus();
 }
 
@@ -78,6 +132,8 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   ServerOptions s;
   s.listen_address = o.listen_address.value_or(c.listen_address());
   s.metrics_port = o.metrics_port.value_or(c.metrics_port());
+  ATTN_RETURN_IF_ERROR(ResolveMetricsAddress(o.metrics_address.value_or(c.metrics_address()), &s));
+  ATTN_RETURN_IF_ERROR(ParseFileMode(o.unix_socket_mode.value_or(c.unix_socket_mode()), &s));
   s.backend.kind = o.backend.value_or(c.backend());
   s.backend.cpu_threads = o.cpu_threads.value_or(c.cpu_threads());
   s.max_message_bytes = o.max_message_bytes.value_or(c.max_message_bytes());

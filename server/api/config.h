@@ -23,7 +23,10 @@ namespace v1 = ::attnserve::v1;
 
 struct ServerOptions {
   std::string listen_address;
-  int metrics_port = 0;      // 0: no /metrics endpoint; served on the listen address's host
+  int metrics_port = 0;      // 0: no /metrics endpoint
+  // Host /metrics binds: the listen address's host for TCP, 127.0.0.1 for a unix: address.
+  std::string metrics_host;
+  int unix_socket_mode = -1;  // file mode of a unix: listen address's socket; -1: as created
   BackendOptions backend;
   int64_t max_message_bytes = 0;
   int drain_timeout_seconds = 0;  // SIGTERM: how long accepted calls may take to finish
@@ -39,6 +42,8 @@ struct ServerOptions {
 struct ConfigOverrides {
   std::optional<std::string> listen_address;
   std::optional<int> metrics_port;
+  std::optional<std::string> metrics_address;
+  std::optional<std::string> unix_socket_mode;
   std::optional<std::string> backend;
   std::optional<int> cpu_threads;
   std::optional<int64_t> max_message_bytes;

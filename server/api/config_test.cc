@@ -41,6 +41,47 @@ TEST(ConfigTest, MetricsPortZeroInTheFileDisablesMetrics) {
   EXPECT_EQ(s->metrics_port, 9464);
 }
 
+TEST(ConfigTest, MetricsBindTheirOwnAddress) {
+  ConfigOverrides o;
+  auto s = ResolveConfig(nullptr, o);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->metrics_host, "127.0.0.1");  // the listen host
+  o.listen_address = "unix:/run/attn.sock";
+  s = ResolveConfig(nullptr, o);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->metrics_host, "127.0.0.1");  // not "unix"
+  o.metrics_address = "0.0.0.0:9500";
+  s = ResolveConfig(nullptr, o);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->metrics_host, "0.0.0.0");
+  EXPECT_EQ(s->metrics_port, 9500);
+  o.metrics_address = "[::1]";
+  s = ResolveConfig(nullptr, o);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->metrics_host, "[::1]");
+  EXPECT_EQ(s->metrics_port, 9464);
+  for (const char* bad : {"host:port", ":9500", "h:70000"}) {
+    o.metrics_address = bad;
+    EXPECT_FALSE(ResolveConfig(nullptr, o).ok()) << bad;
+  }
+}
+
+TEST(ConfigTest, UnixSocketModeIsOctalAndNeedsAUnixAddress) {
+  ConfigOverrides o;
+  o.listen_address = "unix:/run/attn.sock";
+  o.unix_socket_mode = "0660";
+  auto s = ResolveConfig(nullptr, o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->unix_socket_mode, 0660);
+  for (const char* bad : {"0980", "660x", "07777", "-1"}) {
+    o.unix_socket_mode = bad;
+    EXPECT_FALSE(ResolveConfig(nullptr, o).ok()) << bad;
+  }
+  o.unix_socket_mode = "0600";
+  o.listen_address = "127.0.0.1:50051";
+  EXPECT_FALSE(ResolveConfig(nullptr, o).ok());
+}
+
 TEST(ConfigTest, FilePoolsReplaceTheDefaultAndFlagsWin) {
   const v1::ServerConfig file = Parse(R"pb(
     listen_address: "0.0.0.0:7000"

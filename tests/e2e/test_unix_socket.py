@@ -1,0 +1,63 @@
+"""The server on a unix domain socket: file permissions, metrics beside it, checked attention."""
+
+from __future__ import annotations
+
+import os
+import stat
+import urllib.request
+
+from attnserve import Client
+from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import server_config_pb2 as config_pb
+
+from launcher import sample
+from workload import PoolSession
+
+
+def config() -> config_pb.ServerConfig:
+    c = config_pb.ServerConfig()
+    c.pools.add(name="p", kind=pb.POOL_KIND_GQA, num_layers=1, page_size=16, num_qo_heads=8,
+                num_kv_heads=2, head_dim=64, num_pages=256)  # fmt: skip
+    return c
+
+
+def test_serves_on_a_unix_socket_with_its_mode_and_metrics(private, tmp_path) -> None:
+    path = tmp_path / "attn.sock"
+    server = private(config(), f"--listen_address=unix:{path}", "--unix_socket_mode=0660")
+    assert server.address == f"unix:{path}"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+    # Metrics are on (launch gives a metrics port) and bind 127.0.0.1 for a unix: address.
+    assert "attn_build_info" in server.metrics()
+    with Client(server.address) as client:
+        pool = client.server_info().pools[0]
+        session = PoolSession(client, pool, seed=3)
+        session.grow(["a", "b"], [40, 7])
+        session.prefill(["a", "b"], [40, 7])  # checked against the reference
+        session.grow(["a", "b"], [1, 1])
+        session.decode(["a", "b"])
+        session.close()
+    assert sample(server.metrics(), "attn_rpc_duration_seconds_count", method="Decode") >= 1
+
+
+def test_metrics_address_is_its_own(private) -> None:
+    from launcher import free_port
+
+    port = free_port()
+    server = private(config(), f"--metrics_address=127.0.0.1:{port}")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert b"attn_build_info" in response.read()
+    assert server.health() == 1
+
+
+def test_a_bad_socket_mode_is_refused(tmp_path) -> None:
+    import subprocess
+
+    from launcher import binary
+
+    for mode, address in (("0980", f"unix:{tmp_path}/s"), ("0660", "127.0.0.1:0")):
+        result = subprocess.run(
+            [str(binary()), f"--listen_address={address}", f"--unix_socket_mode={mode}"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "unix_socket_mode" in result.stderr
