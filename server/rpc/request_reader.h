@@ -1,0 +1,62 @@
+// Reads a Prefill or Decode request from the bytes of a gRPC message without copying its tensors.
+//
+// Protobuf's parser copies every `bytes` field into a string of its own (about 85 ms for an
+// 8192-token prefill's q on the H200 host, bench/RESULTS.md), and the backend then copies the
+// string again into its staging. This reader walks the message's wire format over its slices:
+// the data of each Tensor field is left where it arrived (HostBytes pieces pointing into the
+// slices) and everything else -- a few hundred bytes of scalars, shapes and page-table ints --
+// goes through protobuf's own parser, so the request means exactly what protobuf would make of
+// it (duplicate fields merge, the last `data` wins, unknown fields are ignored, strings must be
+// UTF-8). The Tensor messages in the parsed request carry dtype, shape and region; their data
+// is empty and `tensors` holds it instead.
+#pragma once
+
+#include <array>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "attnserve/v1/attention.pb.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
+#include "server/engine/host_bytes.h"
+
+namespace attn {
+
+namespace v1 = ::attnserve::v1;
+
+// The data of the Tensor fields of PrefillRequest/DecodeRequest (field numbers 3 to 8: q, q_pe,
+// k_new, v_new, ckv_new, kpe_new).
+class InlineTensors {
+ public:
+  static constexpr int kFirstField = 3;
+  static constexpr int kLastField = 8;
+  static bool IsTensorField(int field) { return field >= kFirstField && field <= kLastField; }
+
+  const HostBytes& q() const { return of(3); }
+  const HostBytes& q_pe() const { return of(4); }
+  const HostBytes& k_new() const { return of(5); }
+  const HostBytes& v_new() const { return of(6); }
+  const HostBytes& ckv_new() const { return of(7); }
+  const HostBytes& kpe_new() const { return of(8); }
+  const HostBytes& of(int field) const { return data_[field - kFirstField]; }
+  HostBytes& mutable_of(int field) { return data_[field - kFirstField]; }
+
+ private:
+  std::array<HostBytes, kLastField - kFirstField + 1> data_;
+};
+
+// Parses `in` into `request` and `tensors`. `slices` receives the message's slices, which the
+// HostBytes point into: keep it alive as long as they are used. INVALID_ARGUMENT for bytes that
+// are not a valid message of the type.
+absl::Status ReadAttentionRequest(const grpc::ByteBuffer& in, std::vector<grpc::Slice>* slices,
+                                  v1::PrefillRequest* request, InlineTensors* tensors);
+absl::Status ReadAttentionRequest(const grpc::ByteBuffer& in, std::vector<grpc::Slice>* slices,
+                                  v1::DecodeRequest* request, InlineTensors* tensors);
+
+// The same over bytes already in memory (one slice); for tests and the fuzzer.
+absl::Status ReadAttentionRequest(absl::Span<const absl::string_view> pieces,
+                                  google::protobuf::Message* request, InlineTensors* tensors);
+
+}  // namespace attn
