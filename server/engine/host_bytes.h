@@ -1,11 +1,18 @@
-// Bytes in host memory that may lie in several pieces, in order: a tensor as it arrived in the
+// Host bytes passed between the RPC edge and the backends without copies.
+//
+// HostBytes: bytes that may lie in several pieces, in order -- a tensor as it arrived in the
 // slices of a gRPC message, read in place instead of being copied into one string first. The
 // pieces are borrowed: whoever made the HostBytes keeps them alive.
+//
+// SharedBytes: a backend's output (one call's rows of a launch's output buffer) handed to the
+// RPC edge, which sends it straight from that buffer; the buffer stays alive (and out of reuse)
+// until the last SharedBytes referring to it is gone.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
@@ -62,6 +69,12 @@ class HostBytes {
  private:
   absl::InlinedVector<std::pair<const char*, size_t>, 2> pieces_;
   size_t size_ = 0;
+};
+
+struct SharedBytes {
+  std::shared_ptr<const void> owner;  // keeps `data` alive
+  const char* data = nullptr;
+  size_t size = 0;
 };
 
 }  // namespace attn
