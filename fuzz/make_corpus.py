@@ -129,7 +129,7 @@ def seeds() -> dict[str, bytes]:
     add(
         "gqa_decode_session",
         "gqa",
-        request("gqa", [1], [2], decode=True, session=f"{EPOCH:016x}-1"),
+        request("gqa", [1], [2], decode=True, session=f"{EPOCH:016x}-{'0' * 32}"),
     )
 
     # Malformed: each breaks one rule.

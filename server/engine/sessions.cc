@@ -1,5 +1,7 @@
 #include "server/engine/sessions.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
 
 #include "absl/strings/escaping.h"
@@ -13,12 +15,31 @@ namespace attn {
 SessionTable::SessionTable(uint64_t epoch, SessionOptions options)
     : epoch_(epoch), options_(options) {}
 
-// Handles are "<epoch as 16 hex digits>-<id>".
-std::string SessionTable::Handle(SessionId id) const {
-  return absl::StrFormat("%016x-%d", epoch_, id);
+namespace {
+
+constexpr size_t kEpochDigits = 16;
+constexpr size_t kSecretBytes = 16;  // 128 random bits
+constexpr size_t kHandleSize = kEpochDigits + 1 + 2 * kSecretBytes;
+
+bool IsLowerHex(absl::string_view s) {
+  for (char c : s) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
 }
 
-namespace {
+// 128 bits from the kernel's CSPRNG, as 32 lowercase hex digits.
+std::string RandomSecret() {
+  unsigned char bytes[kSecretBytes];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+    // n < 0 is EINTR (the call blocks only before the pool is initialized at boot): retry.
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
 
 // A client's handle as error messages show it: escaped, and at most 64 bytes of it (the message
 // must not grow with the request).
@@ -31,12 +52,13 @@ std::string ShownHandle(absl::string_view handle) {
 
 }  // namespace
 
-absl::StatusOr<SessionId> SessionTable::ParseHandle(absl::string_view handle) const {
-  const std::vector<absl::string_view> parts = absl::StrSplit(handle, '-');
+// Handles are "<epoch: 16 hex digits>-<secret: 32 hex digits>", lowercase, nothing else: one
+// spelling per session, and the secret cannot be guessed from other handles.
+absl::StatusOr<absl::string_view> SessionTable::ParseHandle(absl::string_view handle) const {
   uint64_t epoch = 0;
-  SessionId id = 0;
-  if (parts.size() != 2 || parts[0].size() != 16 || !absl::SimpleHexAtoi(parts[0], &epoch) ||
-      !absl::SimpleAtoi(parts[1], &id) || id <= 0) {
+  if (handle.size() != kHandleSize || handle[kEpochDigits] != '-' ||
+      !IsLowerHex(handle.substr(0, kEpochDigits)) || !IsLowerHex(handle.substr(kEpochDigits + 1)) ||
+      !absl::SimpleHexAtoi(handle.substr(0, kEpochDigits), &epoch)) {
     return absl::InvalidArgumentError(
         absl::StrCat("session '", ShownHandle(handle), "' is not a session handle of this server"));
   }
@@ -46,32 +68,38 @@ absl::StatusOr<SessionId> SessionTable::ParseHandle(absl::string_view handle) co
         "holds none of its pages",
         handle, epoch, epoch_));
   }
-  return id;
+  return handle.substr(kEpochDigits + 1);
+}
+
+std::string SessionTable::Handle(const std::string& secret) const {
+  return absl::StrCat(absl::Hex(epoch_, absl::kZeroPad16), "-", secret);
 }
 
 OpenedSession SessionTable::Open(absl::Duration lease, int max_pages, absl::Time now) {
   if (lease <= absl::ZeroDuration()) lease = options_.default_lease;
   lease = std::min(lease, options_.max_lease);
   if (max_pages <= 0) max_pages = options_.default_max_pages;
+  std::string secret = RandomSecret();
   absl::MutexLock lock(&mu_);
   const SessionId id = next_id_++;
-  sessions_[id] = Session{lease, now, max_pages, 0, ""};
-  return OpenedSession{id, Handle(id), lease, max_pages};
+  by_secret_[secret] = id;
+  sessions_[id] = Session{lease, now, max_pages, 0, "", secret};
+  return OpenedSession{id, Handle(secret), lease, max_pages};
 }
 
 absl::StatusOr<SessionId> SessionTable::Resolve(absl::string_view handle, absl::string_view peer,
                                                 absl::Time now) {
   if (!handle.empty()) {
-    absl::StatusOr<SessionId> id = ParseHandle(handle);
-    if (!id.ok()) return id.status();
+    absl::StatusOr<absl::string_view> secret = ParseHandle(handle);
+    if (!secret.ok()) return secret.status();
     absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(*id);
-    if (it == sessions_.end()) {
+    auto it = by_secret_.find(*secret);
+    if (it == by_secret_.end()) {
       return absl::NotFoundError(absl::StrCat(
           "session '", handle, "' is closed or its lease expired; its pages were freed"));
     }
-    it->second.last_seen = now;
-    return *id;
+    sessions_[it->second].last_seen = now;
+    return it->second;
   }
   absl::MutexLock lock(&mu_);
   auto [slot, inserted] = by_peer_.try_emplace(std::string(peer), 0);
@@ -86,13 +114,17 @@ absl::StatusOr<SessionId> SessionTable::Resolve(absl::string_view handle, absl::
 }
 
 absl::StatusOr<SessionId> SessionTable::Close(absl::string_view handle) {
-  absl::StatusOr<SessionId> id = ParseHandle(handle);
-  if (!id.ok()) return id.status();
+  absl::StatusOr<absl::string_view> secret = ParseHandle(handle);
+  if (!secret.ok()) return secret.status();
   absl::MutexLock lock(&mu_);
-  if (sessions_.erase(*id) == 0) {
+  auto it = by_secret_.find(*secret);
+  if (it == by_secret_.end()) {
     return absl::NotFoundError(absl::StrCat("session '", handle, "' is already closed"));
   }
-  return *id;
+  const SessionId id = it->second;
+  by_secret_.erase(it);
+  sessions_.erase(id);
+  return id;
 }
 
 std::vector<SessionId> SessionTable::Expire(absl::Time now) {
@@ -106,6 +138,7 @@ std::vector<SessionId> SessionTable::Expire(absl::Time now) {
     }
     expired.push_back(it->first);
     if (!s.peer.empty()) by_peer_.erase(s.peer);
+    if (!s.secret.empty()) by_secret_.erase(s.secret);
     sessions_.erase(it++);
   }
   return expired;
@@ -117,9 +150,9 @@ absl::Status SessionTable::Charge(SessionId id, int pages) {
   if (it == sessions_.end()) return absl::NotFoundError("the session was closed meanwhile");
   Session& s = it->second;
   if (s.max_pages > 0 && s.pages + pages > s.max_pages) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the session's quota is ", s.max_pages, " pages; it holds ", s.pages,
-                     " and asked for ", pages, " more"));
+    return absl::ResourceExhaustedError(absl::StrCat("the session's quota is ", s.max_pages,
+                                                     " pages; it holds ", s.pages,
+                                                     " and asked for ", pages, " more"));
   }
   s.pages += pages;
   return absl::OkStatus();

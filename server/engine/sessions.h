@@ -1,8 +1,9 @@
 // Sessions: who owns pages, for how long (leases), and how many (quotas).
 //
 // A session is an id the server hands out, either explicitly (OpenSession) or implicitly for a
-// client connection (keyed by its peer address). Handles sent by clients carry the server's
-// epoch, so a handle from before a restart is recognized as such. Every call resolving a session
+// client connection (keyed by its peer address). A handle is a capability: the server's epoch
+// (so a handle from before a restart is recognized as such) and 128 random bits, in exactly one
+// spelling. Every call resolving a session
 // renews its lease; Expire() closes the sessions whose lease ran out, and the caller reclaims
 // their pages (server/engine/page_pool.h keeps page ownership). Thread safe.
 #pragma once
@@ -69,12 +70,14 @@ class SessionTable {
     absl::Duration lease;
     absl::Time last_seen;
     int max_pages = 0;
-    int64_t pages = 0;  // 64 bits: a charge of up to INT32_MAX pages is refused, not wrapped
-    std::string peer;  // implicit sessions only
+    int64_t pages = 0;   // 64 bits: a charge of up to INT32_MAX pages is refused, not wrapped
+    std::string peer;    // implicit sessions only
+    std::string secret;  // explicit sessions only: the random part of the handle
   };
 
-  absl::StatusOr<SessionId> ParseHandle(absl::string_view handle) const;
-  std::string Handle(SessionId id) const;
+  // The secret of a well-formed handle of this epoch (INVALID_ARGUMENT / FAILED_PRECONDITION).
+  absl::StatusOr<absl::string_view> ParseHandle(absl::string_view handle) const;
+  std::string Handle(const std::string& secret) const;
 
   const uint64_t epoch_;
   const SessionOptions options_;
@@ -82,6 +85,7 @@ class SessionTable {
   SessionId next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, SessionId> by_peer_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, SessionId> by_secret_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attn

@@ -1,6 +1,7 @@
 #include "server/engine/sessions.h"
 
 #include <atomic>
+#include <cctype>
 #include <limits>
 #include <string>
 #include <thread>
@@ -75,13 +76,41 @@ TEST(SessionsTest, HandlesOfAnotherEpochOrMalformedAreRefused) {
   const absl::Status restarted = after.Resolve(old.handle, "p", kStart).status();
   EXPECT_EQ(restarted.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(restarted.message().find("restarted"), std::string::npos) << restarted;
-  for (const char* bad : {"x", "0000000000002222", "0000000000002222-", "0000000000002222-0",
-                          "0000000000002222-abc", "2222-1", "0000000000002222-1-2"}) {
-    EXPECT_EQ(after.Resolve(bad, "p", kStart).status().code(),
-              absl::StatusCode::kInvalidArgument)
+  for (const char* bad :
+       {"x", "0000000000002222", "0000000000002222-", "0000000000002222-0", "0000000000002222-abc",
+        "2222-1", "0000000000002222-1-2", "-+18", "-0000018"}) {
+    EXPECT_EQ(after.Resolve(bad, "p", kStart).status().code(), absl::StatusCode::kInvalidArgument)
         << bad;
   }
   EXPECT_EQ(after.Close(old.handle).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A handle is a capability: 128 random bits (not a counter a neighbour can guess), and exactly
+// one spelling of it is accepted.
+TEST(SessionsTest, HandlesAreUnguessableAndCanonical) {
+  SessionTable t(0x2222, Options());
+  const OpenedSession a = t.Open(absl::ZeroDuration(), 0, kStart);
+  const OpenedSession b = t.Open(absl::ZeroDuration(), 0, kStart);
+  ASSERT_EQ(a.handle.size(), 16u + 1 + 32);
+  // The secrets share no structure: a counter would leave them equal but for the last digits.
+  int same = 0;
+  for (size_t i = 17; i < a.handle.size(); ++i) same += a.handle[i] == b.handle[i];
+  EXPECT_LT(same, 12);
+  ASSERT_TRUE(t.Resolve(a.handle, "p", kStart).ok());
+  std::string upper = a.handle;
+  for (char& c : upper) c = static_cast<char>(std::toupper(c));
+  for (const std::string& variant : {upper, " " + a.handle, a.handle + " ", "+" + a.handle,
+                                     a.handle.substr(0, 17) + "-" + a.handle.substr(18),
+                                     a.handle + "0", "0" + a.handle, a.handle.substr(1)}) {
+    EXPECT_EQ(t.Resolve(variant, "p", kStart).status().code(), absl::StatusCode::kInvalidArgument)
+        << variant;
+  }
+  // A well-formed handle nobody was given names nothing.
+  std::string guessed = a.handle;
+  guessed.back() = guessed.back() == '0' ? '1' : '0';
+  EXPECT_EQ(t.Resolve(guessed, "p", kStart).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(t.Close(guessed).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(t.Resolve(a.handle, "p", kStart).ok());
 }
 
 TEST(SessionsTest, CloseRemovesOnce) {

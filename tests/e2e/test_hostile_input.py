@@ -132,7 +132,7 @@ CASES = {
         {Code.INVALID_ARGUMENT},
     ),
     "session_of_another_epoch": (
-        lambda me, mine, theirs: prefill(f"{1:016x}-1", mine).SerializeToString(),
+        lambda me, mine, theirs: prefill(f"{1:016x}-{'0' * 32}", mine).SerializeToString(),
         {Code.FAILED_PRECONDITION},
     ),
     "a_million_sequences": (
