@@ -17,7 +17,7 @@ APT_PACKAGES=(
   cmake ninja-build g++ pkg-config
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev prometheus-cpp-dev googletest libgtest-dev libgmock-dev libbenchmark-dev
-  prometheus
+  prometheus clang-14 libclang-rt-14-dev
 )
 
 install_packages() {
