@@ -127,8 +127,18 @@ Metrics::Metrics(const std::string& version, const std::string& backend,
 Metrics::~Metrics() = default;
 
 absl::StatusOr<int> Metrics::Serve(const std::string& host, int port) {
+  // civetweb's defaults let two idle, half-sent requests hold both workers for 30 s, so a scrape
+  // waited that long: a request now has 2 s to arrive, and 4 workers (with 8 connections queued
+  // for them) bound what /metrics can take from the process.
+  const std::vector<std::string> options = {
+      "listening_ports",       absl::StrCat(host, ":", port),
+      "num_threads",           "4",
+      "connection_queue",      "8",
+      "request_timeout_ms",    "2000",
+      "keep_alive_timeout_ms", "2000",
+  };
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat(host, ":", port));
+    exposer_ = std::make_unique<prometheus::Exposer>(options);
   } catch (const std::exception& e) {  // civetweb reports a failed bind by throwing
     return absl::UnavailableError(
         absl::StrCat("cannot serve metrics on ", host, ":", port, ": ", e.what()));

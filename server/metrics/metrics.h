@@ -29,7 +29,8 @@ class Metrics final : public BatchObserver {
   Metrics(const std::string& version, const std::string& backend, const std::string& device);
   ~Metrics() override;
 
-  // Serves /metrics on host:port (port 0 picks a free one); returns the bound port.
+  // Serves /metrics on host:port (port 0 picks a free one); returns the bound port. At most 4
+  // requests are served at once (8 more connections wait), each given 2 s to arrive.
   absl::StatusOr<int> Serve(const std::string& host, int port);
 
   // The text exposition (what a scrape returns), for tests and debugging.
