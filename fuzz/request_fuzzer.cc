@@ -144,8 +144,9 @@ Fixture& GetFixture() {
 // Attention multiply-adds of a validated call, in 64 bits (inputs are bounded by the message,
 // but page tables may name far more keys than they carry queries).
 int64_t Work(const AttentionCall& call, const PoolGeometry& g) {
-  // Scores plus P x V: 2 x head_dim (GQA), 576 + 512 (MLA).
-  const int64_t width = g.kind == PoolKind::kGqa ? 2 * g.head_dim : kMlaTokenDim + kMlaCkvDim;
+  // Scores plus P x V per head and key: 2 x head_dim (GQA), 576 + 512 (MLA).
+  const RowShapes& rows = g.rows();
+  const int64_t width = rows.q.dim + rows.q_pe.dim + rows.out.dim;
   int64_t work = 0;
   for (int b = 0; b < call.batch_size; ++b) {
     const int64_t q_len =
@@ -218,12 +219,13 @@ void RunOne(const Request& req, Op op, int pool_index, bool merge) {
     absl::StatusOr<LaunchStats> stats = (*lane)->Run(ptrs);
     if (!stats.ok()) Fail("Run", stats.status());
 
-    const PoolGeometry& g = pool.geometry;
-    const size_t out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
-    const size_t rows = static_cast<size_t>(call->total_q) * g.num_qo_heads;
+    const RowShapes& rows = pool.geometry.rows();
+    const size_t tokens = call->total_q;
     for (int i = 0; i < n; ++i) {
-      if (out[i].size() != rows * out_dim * sizeof(bf16)) Fail("output size");
-      if (lse[i].size() != (call->return_lse ? rows * sizeof(float) : 0)) Fail("lse size");
+      if (out[i].size() != tokens * rows.out.elements() * sizeof(bf16)) Fail("output size");
+      if (lse[i].size() != (call->return_lse ? tokens * rows.lse * sizeof(float) : 0)) {
+        Fail("lse size");
+      }
     }
     Note(merge ? "ran twice in one launch" : "ran");
   }

@@ -307,18 +307,18 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
   absl::StatusOr<SessionId> owner = Session(call.ctx, req.session());
   if (!owner.ok()) return call.Complete(owner.status());
 
-  const int out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
+  const RowShapes& rows = g.rows();
   v1::Tensor* out = call.response.mutable_output();
   out->set_dtype(v1::DTYPE_BF16);
   out->add_shape(attention->total_q);
-  out->add_shape(g.num_qo_heads);
-  out->add_shape(out_dim);
+  out->add_shape(rows.out.heads);
+  out->add_shape(rows.out.dim);
   attention->out = out->mutable_data();
   if (attention->return_lse) {
     v1::Tensor* lse = call.response.mutable_lse();
     lse->set_dtype(v1::DTYPE_FP32);
     lse->add_shape(attention->total_q);
-    lse->add_shape(g.num_qo_heads);
+    lse->add_shape(rows.lse);
     attention->lse = lse->mutable_data();
   }
 
