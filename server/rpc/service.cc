@@ -8,9 +8,9 @@
 #include "absl/time/clock.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/proto_buffer_writer.h"
-#include "server/rpc/grpc_status.h"
 #include "server/api/pool_config.h"
 #include "server/api/validate.h"
+#include "server/rpc/grpc_status.h"
 
 namespace attn {
 namespace {
