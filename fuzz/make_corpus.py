@@ -212,6 +212,16 @@ def seeds() -> dict[str, bytes]:
     merged = seed("gqa", request("gqa", [1], [2], decode=True))
     out["wire_merged_field"] = merged + b"\x1a" + bytes([len(extra_q)]) + extra_q
     out["wire_selector_only"] = bytes([DECODE | 2])
+
+    # Merged launches of calls that only read (an appending call's copy is refused by its append
+    # locks, so the merged seeds above run once). Last, so the seeds above keep their bytes.
+    add("gqa_prefill_merged_read", "gqa", request("gqa", [2, 1], [5, 1], append=False), MERGE)
+    add(
+        "gqa_p1_decode_merged_read",
+        "gqa_p1",
+        request("gqa_p1", [1, 1], [4, 2], decode=True, append=False, lse=True),
+        MERGE,
+    )
     return out
 
 

@@ -1,20 +1,24 @@
-// libFuzzer target: one Prefill or Decode request from the wire to the CPU kernels, the path every
-// untrusted request takes in the server (minus gRPC).
+// libFuzzer target: one Prefill or Decode request from the wire through the engine's admission to
+// the CPU kernels, the path every untrusted request takes in the server (minus gRPC).
 //
 // Input: byte 0 selects what the rest is; bytes 1.. are protobuf wire bytes, so truncated,
 // duplicated, unknown and hostile fields are all explored.
 //   bits 0-1: the pool (0 and 3: kPools[0], 1: kPools[1], 2: kPools[2])
 //   bit 2:    0 = attnserve.v1.PrefillRequest, 1 = DecodeRequest
-//   bit 3:    run the call twice in one launch (merged batch of two calls)
-// Steps: parse; resolve the request's `session` handle (if any) in a SessionTable; validate against
-// the pool (server/api/validate.h); pin kv_indices in a PagePool where pages 0 .. num_pages - 4 are
-// owned by the caller's session, the next two by another session and the last one is free; reject
-// calls whose attention work exceeds kWorkBudget (one input must not take seconds); run the call on
-// a fresh CPU backend (server/backends/cpu_backend.h, caller thread only); unpin.
+//   bit 3:    submit the call twice, to run in one launch (a merged batch of two calls)
+// Steps, as the service takes them: parse; validate against the pool (server/api/validate.h);
+// then, on a fresh Engine over a CPU backend (server/engine/engine.h) whose pools' pages
+// 0 .. num_pages - 4 belong to the connection's implicit session, the next two to another session
+// and the last is free: Engine::Admit as the session the request names (its implicit session when
+// it names none), which resolves the handle, pins kv_indices and takes the append locks; drop
+// admitted calls whose attention work exceeds kWorkBudget (one input must not take seconds);
+// Engine::Submit and wait for the answer; check the pools are as they were.
 //
 // Besides sanitizer reports, the target aborts when an API contract is broken: a validation error
-// that is not INVALID_ARGUMENT, a pin error other than INVALID_ARGUMENT / FAILED_PRECONDITION, a
-// launch failure, outputs of the wrong size, or pages left pinned / freed afterwards.
+// that is not INVALID_ARGUMENT, an admission error other than INVALID_ARGUMENT /
+// FAILED_PRECONDITION / NOT_FOUND, a second admission of an appending call that is not refused
+// (its append locks) or of a reading call that is, a failed launch, two calls that did not share
+// one launch, outputs of the wrong size, or pages left pinned, counted as busy or changed hands.
 //
 // fuzz/make_corpus.py writes the seed corpus (fuzz/corpus/) in this format. ATTN_FUZZ_VERBOSE=1
 // prints what happened to each input (the error, or the launch), to check what seeds reach.
@@ -22,21 +26,21 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/engine/backend.h"
-#include "server/backends/cpu_backend.h"
-#include "server/engine/page_pool.h"
-#include "server/engine/pool_geometry.h"
-#include "server/engine/sessions.h"
 #include "server/api/pool_config.h"
 #include "server/api/validate.h"
+#include "server/backends/cpu_backend.h"
+#include "server/engine/engine.h"
+#include "server/engine/pool_geometry.h"
 
 namespace attn {
 namespace {
@@ -104,36 +108,19 @@ void Note(const char* what, const absl::Status& status = absl::OkStatus()) {
   std::abort();
 }
 
-struct Pool {
-  PoolGeometry geometry;
-  std::unique_ptr<PagePool> pages;
-  int free_after_setup = 0;
-};
-
+// The pools' geometries, built once.
 struct Fixture {
-  Fixture() : sessions(kEpoch, SessionOptions{}) {
+  Fixture() {
     // Protobuf logs an ERROR line for every string field with invalid UTF-8 (the parse fails
     // either way); at tens of thousands of inputs a second that is all the fuzzer would do.
     google::protobuf::SetLogHandler(nullptr);
-    const absl::Time now = absl::Now();
-    owner = sessions.Open(absl::ZeroDuration(), 0, now).id;
-    other = sessions.Open(absl::ZeroDuration(), 0, now).id;
     for (int i = 0; i < kNumPools; ++i) {
       absl::StatusOr<PoolGeometry> g = GeometryFromConfig(PoolConfig(i));
       if (!g.ok()) Fail("bad fixture pool", g.status());
-      Pool& p = pools[i];
-      p.geometry = *g;
-      p.pages = std::make_unique<PagePool>(g->num_pages);
-      // Allocation hands out 0, 1, 2, ... first: the owner gets 0 .. n - 4.
-      if (!p.pages->Allocate(g->num_pages - 3, owner).ok() || !p.pages->Allocate(2, other).ok()) {
-        Fail("fixture allocation failed");
-      }
-      p.free_after_setup = p.pages->free_pages();
+      pools.push_back(*g);
     }
   }
-  SessionTable sessions;
-  SessionId owner = 0, other = 0;
-  Pool pools[kNumPools];
+  std::vector<PoolGeometry> pools;
 };
 
 Fixture& GetFixture() {
@@ -141,11 +128,65 @@ Fixture& GetFixture() {
   return *fixture;
 }
 
+// The connection every request arrives on; its implicit session is the first session of a fresh
+// engine, so its handle is "<kEpoch>-1" (the corpus names it so).
+constexpr char kPeer[] = "fuzz-peer";
+constexpr SessionId kOwner = 1;
+constexpr int kOtherPages = 2;
+
+// A fresh engine per input keeps runs reproducible (its pools start zeroed and in the same
+// hands). `calls_per_launch` calls are held until they can all run in one launch.
+class World {
+ public:
+  explicit World(int calls_per_launch) {
+    BatchingOptions batching;
+    batching.max_queue_delay = absl::InfiniteDuration();
+    batching.max_batch_requests = calls_per_launch;
+    batching.max_batch_tokens = std::numeric_limits<int>::max();
+    absl::StatusOr<std::unique_ptr<Engine>> engine =
+        Engine::Create(CreateCpuBackend(1), GetFixture().pools, batching, SessionOptions{}, kEpoch,
+                       nullptr, nullptr);
+    if (!engine.ok()) Fail("Engine::Create", engine.status());
+    engine_ = *std::move(engine);
+    const Caller owner{"", kPeer};
+    if (!engine_->RenewLease(owner).ok()) Fail("fixture session");  // opens it first: kOwner
+    const Caller other{engine_->OpenSession(absl::ZeroDuration(), 0).handle, ""};
+    for (const PoolGeometry& g : GetFixture().pools) {
+      // Allocation hands out 0, 1, 2, ... first: the owner gets 0 .. n - 4.
+      if (!engine_->AllocatePages(g.name, owner, g.num_pages - 1 - kOtherPages).ok() ||
+          !engine_->AllocatePages(g.name, other, kOtherPages).ok()) {
+        Fail("fixture allocation failed");
+      }
+    }
+  }
+
+  Engine& engine() { return *engine_; }
+
+  // Every call is over and every page where the setup put it.
+  void CheckUntouched() {
+    // A call leaves the drain count just after its answer: wait for that (the bound only turns
+    // a leak into a failure).
+    if (!engine_->WaitForIdle(absl::Now() + absl::Seconds(10))) Fail("a call is never over");
+    for (const auto& pool : engine_->pools()) {
+      const PagePool& pages = pool->pages();
+      if (pages.pinned_pages() != 0) Fail("pages left pinned");
+      if (pages.pages_of(kOwner) != pool->total_pages() - 1 - kOtherPages ||
+          pages.free_pages() != 1) {
+        Fail("pages changed hands");
+      }
+    }
+  }
+
+ private:
+  std::unique_ptr<Engine> engine_;
+};
+
 // Attention multiply-adds of a validated call, in 64 bits (inputs are bounded by the message,
 // but page tables may name far more keys than they carry queries).
 int64_t Work(const AttentionCall& call, const PoolGeometry& g) {
-  // Scores plus P x V: 2 x head_dim (GQA), 576 + 512 (MLA).
-  const int64_t width = g.kind == PoolKind::kGqa ? 2 * g.head_dim : kMlaTokenDim + kMlaCkvDim;
+  // Scores plus P x V per head and key: 2 x head_dim (GQA), 576 + 512 (MLA).
+  const RowShapes& rows = g.rows();
+  const int64_t width = rows.q.dim + rows.q_pe.dim + rows.out.dim;
   int64_t work = 0;
   for (int b = 0; b < call.batch_size; ++b) {
     const int64_t q_len =
@@ -165,71 +206,86 @@ absl::StatusOr<AttentionCall> Validate(const v1::DecodeRequest& req, const PoolG
   return ValidateDecode(req, g);
 }
 
+bool AdmissionError(const absl::Status& st) {
+  return absl::IsInvalidArgument(st) || absl::IsFailedPrecondition(st) || absl::IsNotFound(st);
+}
+
 template <typename Request>
-void RunOne(const Request& req, Op op, int pool_index, bool merge) {
-  Fixture& f = GetFixture();
-  Pool& pool = f.pools[pool_index];
-
-  // The session named by the request (hostile handles included). Calls always run as the owner:
-  // which session owns the pages is the pool's business, tested below.
-  if (!req.session().empty()) {
-    absl::StatusOr<SessionId> id = f.sessions.Resolve(req.session(), "fuzz-peer", absl::Now());
-    if (!id.ok() && !absl::IsInvalidArgument(id.status()) &&
-        !absl::IsFailedPrecondition(id.status()) && !absl::IsNotFound(id.status())) {
-      Fail("unexpected session error", id.status());
-    }
-    if (!id.ok()) Note("session:", id.status());
-  }
-
-  absl::StatusOr<AttentionCall> call = Validate(req, pool.geometry);
+void RunOne(const Request& req, int pool_index, bool merge) {
+  const PoolGeometry& g = GetFixture().pools[pool_index];
+  absl::StatusOr<AttentionCall> call = Validate(req, g);
   if (!call.ok()) {
     if (!absl::IsInvalidArgument(call.status())) Fail("validation error code", call.status());
     Note("invalid:", call.status());
     return;
   }
-  if (absl::Status pin = pool.pages->Pin(call->kv_indices, f.owner, "kv_indices"); !pin.ok()) {
-    if (!absl::IsInvalidArgument(pin) && !absl::IsFailedPrecondition(pin)) {
-      Fail("pin error code", pin);
-    }
-    Note("not pinned:", pin);
+  // The same call twice: an appending call holds append locks on its pages, so its copy must be
+  // refused; a call that only reads is admitted twice.
+  const bool twice = merge && call->append_pages.empty();
+  World world(twice ? 2 : 1);
+  Engine& engine = world.engine();
+  Engine::Pool& pool = **engine.FindPool(g.name);
+  const Caller caller{req.session(), kPeer};
+
+  std::vector<Admission> admitted;
+  absl::StatusOr<Admission> first = engine.Admit(pool, caller, *call);
+  if (!first.ok()) {
+    if (!AdmissionError(first.status())) Fail("admission error code", first.status());
+    Note("not admitted:", first.status());
+    world.CheckUntouched();
     return;
   }
-
-  if (Work(*call, pool.geometry) * (merge ? 2 : 1) > kWorkBudget) {
-    Note("over the work budget");
-  } else {
-    // A fresh backend per input keeps runs reproducible (the cache starts zeroed).
-    std::unique_ptr<Backend> backend = CreateCpuBackend(1);
-    for (int i = 0; i < kNumPools; ++i) {
-      if (absl::Status st = backend->AddPool(f.pools[i].geometry); !st.ok()) Fail("AddPool", st);
+  admitted.push_back(*std::move(first));
+  if (merge) {
+    absl::StatusOr<Admission> second = engine.Admit(pool, caller, *call);
+    if (second.ok() != twice) Fail("second admission", second.status());
+    if (second.ok()) {
+      admitted.push_back(*std::move(second));
+    } else if (!absl::IsFailedPrecondition(second.status())) {
+      Fail("append lock error code", second.status());
+    } else {
+      Note("copy not admitted:", second.status());
     }
-    absl::StatusOr<std::unique_ptr<Lane>> lane = backend->CreateLane(pool_index, op);
-    if (!lane.ok()) Fail("CreateLane", lane.status());
-
-    const int n = merge ? 2 : 1;
-    std::vector<AttentionCall> calls(n, *call);
-    std::vector<std::string> out(n), lse(n);
-    std::vector<AttentionCall*> ptrs;
-    for (int i = 0; i < n; ++i) {
-      calls[i].out = &out[i];
-      calls[i].lse = &lse[i];
-      ptrs.push_back(&calls[i]);
-    }
-    absl::StatusOr<LaunchStats> stats = (*lane)->Run(ptrs);
-    if (!stats.ok()) Fail("Run", stats.status());
-
-    const PoolGeometry& g = pool.geometry;
-    const size_t out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
-    const size_t rows = static_cast<size_t>(call->total_q) * g.num_qo_heads;
-    for (int i = 0; i < n; ++i) {
-      if (out[i].size() != rows * out_dim * sizeof(bf16)) Fail("output size");
-      if (lse[i].size() != (call->return_lse ? rows * sizeof(float) : 0)) Fail("lse size");
-    }
-    Note(merge ? "ran twice in one launch" : "ran");
   }
 
-  pool.pages->Unpin(call->kv_indices);
-  if (pool.pages->free_pages() != pool.free_after_setup) Fail("pages changed hands");
+  const int n = static_cast<int>(admitted.size());
+  if (Work(*call, g) * n > kWorkBudget) {
+    Note("over the work budget");
+    admitted.clear();  // released unrun
+    world.CheckUntouched();
+    return;
+  }
+  struct Outcome {
+    absl::Notification done;
+    absl::Status status;
+    CallReport report;
+    std::string out, lse;
+  };
+  std::vector<Outcome> outcomes(n);
+  for (int i = 0; i < n; ++i) {
+    Outcome& o = outcomes[i];
+    admitted[i].call().out = &o.out;
+    admitted[i].call().lse = &o.lse;
+    engine.Submit(std::move(admitted[i]), absl::InfiniteFuture(), nullptr,
+                  [&o](const absl::Status& st, const CallReport& report) {
+                    o.status = st;
+                    o.report = report;
+                    o.done.Notify();
+                  });
+  }
+  const RowShapes& rows = g.rows();
+  const size_t tokens = call->total_q;
+  for (Outcome& o : outcomes) {
+    o.done.WaitForNotification();
+    if (!o.status.ok()) Fail("Run", o.status);
+    if (o.report.batch_requests != n) Fail("the calls did not share one launch");
+    if (o.out.size() != tokens * rows.out.elements() * sizeof(bf16)) Fail("output size");
+    if (o.lse.size() != (call->return_lse ? tokens * rows.lse * sizeof(float) : 0)) {
+      Fail("lse size");
+    }
+  }
+  Note(n == 2 ? "ran twice in one launch" : "ran");
+  world.CheckUntouched();
 }
 
 }  // namespace
@@ -249,14 +305,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Note("not a DecodeRequest");
       return 0;
     }
-    RunOne(req, Op::kDecode, pool, merge);
+    RunOne(req, pool, merge);
   } else {
     v1::PrefillRequest req;
     if (!req.ParseFromArray(data + 1, static_cast<int>(size - 1))) {
       Note("not a PrefillRequest");
       return 0;
     }
-    RunOne(req, Op::kPrefill, pool, merge);
+    RunOne(req, pool, merge);
   }
   return 0;
 }

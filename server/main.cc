@@ -199,9 +199,9 @@ int Run() {
   Metrics metrics(kVersion, (*backend)->name(), (*backend)->device());
   // A new epoch every start: session handles of an earlier run are recognized as such.
   const uint64_t epoch = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
-  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(
-      *std::move(backend), options->pools, options->batching, options->sessions, epoch, &metrics,
-      [&metrics](const std::string& pool, int pages) { metrics.OnPagesReclaimed(pool, pages); });
+  absl::StatusOr<std::unique_ptr<Engine>> engine =
+      Engine::Create(*std::move(backend), options->pools, options->batching, options->sessions,
+                     epoch, /*batch_observer=*/&metrics, /*page_observer=*/&metrics);
   if (!engine.ok()) {
     std::cerr << "attnserve: " << engine.status() << "\n";
     return 1;
@@ -300,9 +300,9 @@ int Run() {
   set_health(false);
   if (exit_code == 0) {
     // Drain: refuse new work, let accepted calls finish (up to the deadline).
-    service.StartDrain();
+    (*engine)->StartDrain();
     const absl::Duration limit = absl::Seconds(options->drain_timeout_seconds);
-    if (!service.WaitForIdle(absl::Now() + limit)) {
+    if (!(*engine)->WaitForIdle(absl::Now() + limit)) {
       std::cerr << "attnserve: drain deadline (" << limit << ") passed with calls in flight\n";
     }
     // Keep answering UNAVAILABLE a moment longer, so a client's next call gets that answer

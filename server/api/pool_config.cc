@@ -29,55 +29,52 @@ absl::Status RangeError(const std::string& pool, const char* field, int64_t valu
 }  // namespace
 
 absl::StatusOr<PoolGeometry> GeometryFromConfig(const v1::PoolConfig& c) {
-  PoolGeometry g;
-  g.name = c.name();
-  if (!ValidName(g.name)) {
+  const std::string& name = c.name();
+  if (!ValidName(name)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("pool name '", g.name, "' must be 1-64 characters of [a-z0-9_-]"));
+        absl::StrCat("pool name '", name, "' must be 1-64 characters of [a-z0-9_-]"));
   }
   if (c.num_layers() < 1 || c.num_layers() > kMaxLayers) {
-    return RangeError(g.name, "num_layers", c.num_layers(), 1, kMaxLayers);
+    return RangeError(name, "num_layers", c.num_layers(), 1, kMaxLayers);
   }
   if (c.page_size() < 1 || c.page_size() > kMaxPageSize) {
-    return RangeError(g.name, "page_size", c.page_size(), 1, kMaxPageSize);
+    return RangeError(name, "page_size", c.page_size(), 1, kMaxPageSize);
   }
   if (c.num_qo_heads() < 1 || c.num_qo_heads() > kMaxHeads) {
-    return RangeError(g.name, "num_qo_heads", c.num_qo_heads(), 1, kMaxHeads);
+    return RangeError(name, "num_qo_heads", c.num_qo_heads(), 1, kMaxHeads);
   }
-  g.num_layers = c.num_layers();
-  g.page_size = c.page_size();
-  g.num_qo_heads = c.num_qo_heads();
+  // num_pages is set below: with capacity_bytes it follows from the page size.
+  PoolGeometry g;
   switch (c.kind()) {
     case v1::POOL_KIND_GQA:
-      g.kind = PoolKind::kGqa;
       if (c.num_kv_heads() < 1 || c.num_qo_heads() % c.num_kv_heads() != 0) {
         return absl::InvalidArgumentError(
-            absl::StrCat("pool '", g.name, "': num_kv_heads = ", c.num_kv_heads(),
+            absl::StrCat("pool '", name, "': num_kv_heads = ", c.num_kv_heads(),
                          " must be positive and divide num_qo_heads = ", c.num_qo_heads()));
       }
       if (c.head_dim() != 64 && c.head_dim() != 128 && c.head_dim() != 256) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "pool '", g.name, "': head_dim = ", c.head_dim(), " is not one of 64, 128, 256"));
+            "pool '", name, "': head_dim = ", c.head_dim(), " is not one of 64, 128, 256"));
       }
-      g.num_kv_heads = c.num_kv_heads();
-      g.head_dim = c.head_dim();
+      g = PoolGeometry::Gqa(name, c.num_layers(), c.page_size(), c.num_qo_heads(), c.num_kv_heads(),
+                            c.head_dim(), /*num_pages=*/0);
       break;
     case v1::POOL_KIND_MLA:
-      g.kind = PoolKind::kMla;
-      g.num_kv_heads = 1;
+      g = PoolGeometry::Mla(name, c.num_layers(), c.page_size(), c.num_qo_heads(),
+                            /*num_pages=*/0);
       break;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("pool '", g.name, "': kind must be POOL_KIND_GQA or POOL_KIND_MLA"));
+          absl::StrCat("pool '", name, "': kind must be POOL_KIND_GQA or POOL_KIND_MLA"));
   }
   if ((c.num_pages() > 0) == (c.capacity_bytes() > 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "pool '", g.name, "': set exactly one of num_pages and capacity_bytes (both positive)"));
+        "pool '", name, "': set exactly one of num_pages and capacity_bytes (both positive)"));
   }
   const int64_t pages =
       c.num_pages() > 0 ? int64_t{c.num_pages()} : c.capacity_bytes() / g.BytesPerPage();
   constexpr int64_t kMaxPages = std::numeric_limits<int32_t>::max();
-  if (pages < 1 || pages > kMaxPages) return RangeError(g.name, "num_pages", pages, 1, kMaxPages);
+  if (pages < 1 || pages > kMaxPages) return RangeError(name, "num_pages", pages, 1, kMaxPages);
   g.num_pages = static_cast<int>(pages);
   return g;
 }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -31,7 +30,7 @@ std::string ShapeString(absl::Span<const int64_t> shape) {
                       shape.size(), " dimensions)]");
 }
 
-std::string ExpectedString(std::initializer_list<Dim> dims) {
+std::string ExpectedString(absl::Span<const Dim> dims) {
   std::vector<std::string> sizes, names;
   for (const Dim& d : dims) {
     sizes.push_back(absl::StrCat(d.size));
@@ -42,13 +41,13 @@ std::string ExpectedString(std::initializer_list<Dim> dims) {
 
 // Checks dtype, shape and byte count of a bf16 tensor and returns its data.
 absl::StatusOr<const bf16*> Bf16Tensor(const v1::Tensor& t, const char* field,
-                                       std::initializer_list<Dim> dims) {
+                                       absl::Span<const Dim> dims) {
   if (t.dtype() != v1::DTYPE_BF16) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": dtype ", v1::DType_Name(t.dtype()), " is not supported; send DTYPE_BF16"));
   }
   bool same = t.shape_size() == static_cast<int>(dims.size());
-  for (int i = 0; same && i < t.shape_size(); ++i) same = t.shape(i) == dims.begin()[i].size;
+  for (int i = 0; same && i < t.shape_size(); ++i) same = t.shape(i) == dims[i].size;
   if (!same) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(t.shape()),
                                                    " does not match ", ExpectedString(dims)));
@@ -62,6 +61,14 @@ absl::StatusOr<const bf16*> Bf16Tensor(const v1::Tensor& t, const char* field,
   }
   // Protobuf's string storage is heap- or object-aligned, which satisfies bf16's 2 bytes.
   return reinterpret_cast<const bf16*>(t.data().data());
+}
+
+// A per-token tensor: `rows` tokens of the pool's row shape `row`.
+absl::StatusOr<const bf16*> Bf16Rows(const v1::Tensor& t, const char* field, int64_t rows,
+                                     const RowShape& row) {
+  const Dim tokens{rows, "total_q"}, heads{row.heads, row.heads_name}, dim{row.dim, row.dim_name};
+  if (row.heads == 0) return Bf16Tensor(t, field, {tokens, dim});
+  return Bf16Tensor(t, field, {tokens, heads, dim});
 }
 
 // indptr[0] == 0, non-decreasing, indptr.back() == last.
@@ -152,10 +159,9 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
                                                        call.kv_indptr, batch, pool.page_size));
 
   const int64_t tq = call.total_q;
-  const Dim rows{tq, "total_q"}, heads{pool.num_qo_heads, "num_qo_heads"};
+  const RowShapes& rows = pool.rows();
+  ATTN_ASSIGN_OR_RETURN(call.q, Bf16Rows(req.q(), "q", tq, rows.q));
   if (pool.kind == PoolKind::kGqa) {
-    const Dim d{pool.head_dim, "head_dim"}, kv_heads{pool.num_kv_heads, "num_kv_heads"};
-    ATTN_ASSIGN_OR_RETURN(call.q, Bf16Tensor(req.q(), "q", {rows, heads, d}));
     if (req.has_q_pe() || req.has_ckv_new() || req.has_kpe_new()) {
       return absl::InvalidArgumentError(
           "q_pe, ckv_new and kpe_new are MLA fields; this pool is GQA");
@@ -164,13 +170,11 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
       return absl::InvalidArgumentError("k_new and v_new must be sent together");
     }
     if (req.has_k_new()) {
-      ATTN_ASSIGN_OR_RETURN(call.k_new, Bf16Tensor(req.k_new(), "k_new", {rows, kv_heads, d}));
-      ATTN_ASSIGN_OR_RETURN(call.v_new, Bf16Tensor(req.v_new(), "v_new", {rows, kv_heads, d}));
+      ATTN_ASSIGN_OR_RETURN(call.k_new, Bf16Rows(req.k_new(), "k_new", tq, rows.k_new));
+      ATTN_ASSIGN_OR_RETURN(call.v_new, Bf16Rows(req.v_new(), "v_new", tq, rows.v_new));
     }
   } else {
-    ATTN_ASSIGN_OR_RETURN(call.q, Bf16Tensor(req.q(), "q", {rows, heads, {kMlaCkvDim, "ckv_dim"}}));
-    ATTN_ASSIGN_OR_RETURN(call.q_pe,
-                     Bf16Tensor(req.q_pe(), "q_pe", {rows, heads, {kMlaKpeDim, "kpe_dim"}}));
+    ATTN_ASSIGN_OR_RETURN(call.q_pe, Bf16Rows(req.q_pe(), "q_pe", tq, rows.q_pe));
     if (req.has_k_new() || req.has_v_new()) {
       return absl::InvalidArgumentError("k_new and v_new are GQA fields; this pool is MLA");
     }
@@ -178,10 +182,8 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
       return absl::InvalidArgumentError("ckv_new and kpe_new must be sent together");
     }
     if (req.has_ckv_new()) {
-      ATTN_ASSIGN_OR_RETURN(call.k_new,
-                       Bf16Tensor(req.ckv_new(), "ckv_new", {rows, {kMlaCkvDim, "ckv_dim"}}));
-      ATTN_ASSIGN_OR_RETURN(call.v_new,
-                       Bf16Tensor(req.kpe_new(), "kpe_new", {rows, {kMlaKpeDim, "kpe_dim"}}));
+      ATTN_ASSIGN_OR_RETURN(call.k_new, Bf16Rows(req.ckv_new(), "ckv_new", tq, rows.k_new));
+      ATTN_ASSIGN_OR_RETURN(call.v_new, Bf16Rows(req.kpe_new(), "kpe_new", tq, rows.v_new));
     }
   }
 

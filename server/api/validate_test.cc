@@ -14,28 +14,13 @@ using v1::DecodeRequest;
 using v1::PrefillRequest;
 
 PoolGeometry GqaPool() {
-  PoolGeometry g;
-  g.name = "gqa";
-  g.kind = PoolKind::kGqa;
-  g.num_layers = 2;
-  g.page_size = 4;
-  g.num_qo_heads = 8;
-  g.num_kv_heads = 2;
-  g.head_dim = 64;
-  g.num_pages = 32;
-  return g;
+  return PoolGeometry::Gqa("gqa", /*num_layers=*/2, /*page_size=*/4, /*num_qo_heads=*/8,
+                           /*num_kv_heads=*/2, /*head_dim=*/64, /*num_pages=*/32);
 }
 
 PoolGeometry MlaPool() {
-  PoolGeometry g;
-  g.name = "mla";
-  g.kind = PoolKind::kMla;
-  g.num_layers = 2;
-  g.page_size = 4;
-  g.num_qo_heads = 16;
-  g.num_kv_heads = 1;
-  g.num_pages = 32;
-  return g;
+  return PoolGeometry::Mla("mla", /*num_layers=*/2, /*page_size=*/4, /*num_heads=*/16,
+                           /*num_pages=*/32);
 }
 
 void SetBf16(v1::Tensor* t, std::initializer_list<int64_t> shape) {

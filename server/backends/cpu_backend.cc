@@ -54,31 +54,32 @@ class CpuLane final : public Lane {
     const bool want_lse = std::any_of(calls.begin(), calls.end(),
                                       [](const AttentionCall* c) { return c->return_lse; });
     const int64_t rows = merged_.total_q();
-    const int64_t out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
-    out_.resize(rows * g.num_qo_heads * out_dim);
-    lse_.resize(want_lse ? rows * g.num_qo_heads : 0);
+    const RowShapes& shape = g.rows();
+    out_.resize(rows * shape.out.elements());
+    lse_.resize(want_lse ? rows * shape.lse : 0);
     int64_t in_elems = 0;  // bf16 inputs gathered for the launch
+    // Gathers one per-call input into a merged scratch buffer; returns the buffer.
+    auto gather = [&](const bf16* AttentionCall::*field, const RowShape& row,
+                      std::vector<bf16>& dst) {
+      dst.resize(rows * row.elements());
+      GatherRows(calls, merged_, field, row.elements(), dst.data());
+      in_elems += rows * row.elements();
+      return dst.data();
+    };
+    const bf16* q = gather(&AttentionCall::q, shape.q, q_);
+    const bf16* q_pe =
+        shape.q_pe.present() ? gather(&AttentionCall::q_pe, shape.q_pe, q_pe_) : nullptr;
+    const bf16* k_new = appends ? gather(&AttentionCall::k_new, shape.k_new, k_) : nullptr;
+    const bf16* v_new = appends ? gather(&AttentionCall::v_new, shape.v_new, v_) : nullptr;
 
     if (g.kind == PoolKind::kGqa) {
-      const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim;
-      const int64_t kv_row = int64_t{g.num_kv_heads} * g.head_dim;
-      q_.resize(rows * q_row);
-      GatherRows(calls, merged_, &AttentionCall::q, q_row, q_.data());
-      in_elems += rows * q_row;
       GqaParams p;
       p.cache = g.GqaView(pool_.storage->data());
       p.batch = merged_.View(op_);
       p.num_qo_heads = g.num_qo_heads;
-      p.q = q_.data();
-      if (appends) {
-        k_.resize(rows * kv_row);
-        v_.resize(rows * kv_row);
-        GatherRows(calls, merged_, &AttentionCall::k_new, kv_row, k_.data());
-        GatherRows(calls, merged_, &AttentionCall::v_new, kv_row, v_.data());
-        in_elems += 2 * rows * kv_row;
-        p.k_new = k_.data();
-        p.v_new = v_.data();
-      }
+      p.q = q;
+      p.k_new = k_new;
+      p.v_new = v_new;
       p.out = out_.data();
       p.lse = want_lse ? lse_.data() : nullptr;
       p.sm_scale = calls.front()->sm_scale;
@@ -86,28 +87,14 @@ class CpuLane final : public Lane {
       cpu::GqaAppendKv(p, workers_);
       cpu::GqaAttention(p, workers_);
     } else {
-      const int64_t q_row = int64_t{g.num_qo_heads} * kMlaCkvDim;
-      const int64_t pe_row = int64_t{g.num_qo_heads} * kMlaKpeDim;
-      q_.resize(rows * q_row);
-      q_pe_.resize(rows * pe_row);
-      GatherRows(calls, merged_, &AttentionCall::q, q_row, q_.data());
-      GatherRows(calls, merged_, &AttentionCall::q_pe, pe_row, q_pe_.data());
-      in_elems += rows * (q_row + pe_row);
       MlaParams p;
       p.cache = g.MlaView(pool_.storage->data());
       p.batch = merged_.View(op_);
       p.num_heads = g.num_qo_heads;
-      p.q_nope = q_.data();
-      p.q_pe = q_pe_.data();
-      if (appends) {
-        k_.resize(rows * kMlaCkvDim);
-        v_.resize(rows * kMlaKpeDim);
-        GatherRows(calls, merged_, &AttentionCall::k_new, kMlaCkvDim, k_.data());
-        GatherRows(calls, merged_, &AttentionCall::v_new, kMlaKpeDim, v_.data());
-        in_elems += rows * kMlaTokenDim;
-        p.ckv_new = k_.data();
-        p.kpe_new = v_.data();
-      }
+      p.q_nope = q;
+      p.q_pe = q_pe;
+      p.ckv_new = k_new;
+      p.kpe_new = v_new;
       p.out = out_.data();
       p.lse = want_lse ? lse_.data() : nullptr;
       p.sm_scale = calls.front()->sm_scale;
@@ -117,8 +104,8 @@ class CpuLane final : public Lane {
     }
     timer.Next(&stats.execute);
     stats.compute = stats.execute;
-    ScatterOutputs(calls, merged_, out_.data(), out_dim * g.num_qo_heads * sizeof(bf16),
-                   lse_.data(), g.num_qo_heads);
+    ScatterOutputs(calls, merged_, out_.data(), shape.out.elements() * int64_t{sizeof(bf16)},
+                   lse_.data(), shape.lse);
     timer.Next(&stats.finish);
     stats.bytes_in = in_elems * static_cast<int64_t>(sizeof(bf16));
     stats.bytes_out = static_cast<int64_t>(out_.size() * sizeof(bf16) + lse_.size() * 4);

@@ -41,6 +41,9 @@ struct CallReport {
   LaunchStats launch;  // zero when the launch failed or never ran
   int batch_requests = 0;
   int batch_tokens = 0;
+  // Set when the call was refused because its queue was full: how long the caller should wait
+  // before retrying (Batcher::RetryHint).
+  absl::Duration retry_after = absl::ZeroDuration();
 };
 
 // Observes every launch (metrics); called on the batcher thread.

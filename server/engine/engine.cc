@@ -1,26 +1,25 @@
 #include "server/engine/engine.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "server/engine/status_macros.h"
 
 namespace attn {
 
 Engine::Engine(std::unique_ptr<Backend> backend, const SessionOptions& sessions, uint64_t epoch,
-               ReclaimObserver on_reclaim)
-    : backend_(std::move(backend)), sessions_(epoch, sessions), on_reclaim_(std::move(on_reclaim)) {}
+               PageObserver* page_observer)
+    : backend_(std::move(backend)), page_observer_(page_observer), sessions_(epoch, sessions) {}
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Backend> backend,
-                                                       std::vector<PoolGeometry> pools,
-                                                       const BatchingOptions& batching,
-                                                       const SessionOptions& sessions,
-                                                       uint64_t epoch, BatchObserver* observer,
-                                                       ReclaimObserver on_reclaim) {
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
+    std::unique_ptr<Backend> backend, std::vector<PoolGeometry> pools,
+    const BatchingOptions& batching, const SessionOptions& sessions, uint64_t epoch,
+    BatchObserver* batch_observer, PageObserver* page_observer) {
   if (pools.empty()) return absl::InvalidArgumentError("no pools configured");
-  std::unique_ptr<Engine> engine(
-      new Engine(std::move(backend), sessions, epoch, std::move(on_reclaim)));
+  std::unique_ptr<Engine> engine(new Engine(std::move(backend), sessions, epoch, page_observer));
   for (PoolGeometry& g : pools) {
     for (const auto& existing : engine->pools_) {
       if (existing->geometry.name == g.name) {
@@ -29,14 +28,14 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Backend> 
     }
     const int index = static_cast<int>(engine->pools_.size());
     ATTN_RETURN_IF_ERROR(engine->backend_->AddPool(g));
-    auto pool = std::make_unique<Pool>(std::move(g));
+    std::unique_ptr<Pool> pool(new Pool(std::move(g), page_observer));
     for (Op op : {Op::kPrefill, Op::kDecode}) {
       ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, engine->backend_->CreateLane(index, op));
-      auto batcher =
-          std::make_unique<Batcher>(absl::StrCat(pool->geometry.name, "/", OpName(op)), op,
-                                    std::move(lane), batching, observer);
-      (op == Op::kPrefill ? pool->prefill : pool->decode) = std::move(batcher);
+      auto batcher = std::make_unique<Batcher>(absl::StrCat(pool->geometry.name, "/", OpName(op)),
+                                               op, std::move(lane), batching, batch_observer);
+      (op == Op::kPrefill ? pool->prefill_ : pool->decode_) = std::move(batcher);
     }
+    if (page_observer) page_observer->OnPoolAdded(pool->geometry.name, pool->total_pages());
     engine->pools_.push_back(std::move(pool));
   }
   // Leases are checked every second, or more often for shorter leases.
@@ -49,35 +48,85 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Backend> 
   return engine;
 }
 
-int Engine::ReleaseSession(SessionId id, bool expired) {
-  int released = 0;
+Engine::~Engine() {
+  stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+  // Batchers first: their threads use the lanes, which use the backend's storage, and the calls
+  // they still hold release pages of the pools.
   for (auto& pool : pools_) {
-    const int pages = pool->pages.ReleaseOwner(id);
-    if (expired && pages > 0 && on_reclaim_) on_reclaim_(pool->geometry.name, pages);
-    released += pages;
+    pool->prefill_.reset();
+    pool->decode_.reset();
   }
+}
+
+// --- Sessions
+
+absl::StatusOr<SessionId> Engine::Resolve(const Caller& caller) {
+  return sessions_.Resolve(caller.session, caller.peer, absl::Now());
+}
+
+OpenedSession Engine::OpenSession(absl::Duration lease, int max_pages) {
+  return sessions_.Open(lease, max_pages, absl::Now());
+}
+
+absl::Status Engine::RenewLease(const Caller& caller) { return Resolve(caller).status(); }
+
+int Engine::ReleaseLocked(absl::Span<const SessionId> ids, PageEvent why) {
+  int released = 0;
+  for (auto& pool : pools_) released += pool->pages_.ReleaseOwners(ids, why);
   return released;
 }
 
 absl::StatusOr<int> Engine::CloseSession(absl::string_view handle) {
-  absl::StatusOr<SessionId> id = sessions_.Close(handle);
-  if (!id.ok()) return id.status();
-  return ReleaseSession(*id, /*expired=*/false);
+  absl::MutexLock lock(&mu_);
+  ATTN_ASSIGN_OR_RETURN(const SessionId id, sessions_.Close(handle));
+  return ReleaseLocked(absl::MakeConstSpan(&id, 1), PageEvent::kClosed);
 }
 
 void Engine::ExpireSessions(absl::Time now) {
-  for (SessionId id : sessions_.Expire(now)) ReleaseSession(id, /*expired=*/true);
+  absl::MutexLock lock(&mu_);
+  const std::vector<SessionId> expired = sessions_.Expire(now);
+  ReleaseLocked(expired, PageEvent::kReclaimed);
 }
 
-Engine::~Engine() {
-  stop_reaper_.Notify();
-  if (reaper_.joinable()) reaper_.join();
-  // Batchers first: their threads use the lanes, which use the backend's storage.
-  for (auto& pool : pools_) {
-    pool->prefill.reset();
-    pool->decode.reset();
+// --- Pages
+
+absl::StatusOr<std::vector<int32_t>> Engine::AllocatePages(absl::string_view pool_name,
+                                                           const Caller& caller, int num_pages) {
+  if (draining()) return absl::UnavailableError("the server is draining; allocate elsewhere");
+  ATTN_ASSIGN_OR_RETURN(Pool* const pool, FindPool(pool_name));
+  absl::MutexLock lock(&mu_);
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  const int total = pool->total_pages();
+  if (num_pages < 1 || num_pages > total) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_pages = ", num_pages, " is outside [1, ", total, "]"));
   }
+  // The quota first (other sessions' pages are never touched), then the pool.
+  absl::StatusOr<std::vector<int32_t>> ids;
+  if (absl::Status quota = sessions_.Charge(owner, num_pages); !quota.ok()) {
+    ids = quota;
+  } else {
+    ids = pool->pages_.Allocate(num_pages, owner);
+    if (!ids.ok()) sessions_.Refund(owner, num_pages);
+  }
+  if (absl::IsResourceExhausted(ids.status()) && page_observer_) {
+    page_observer_->OnAllocationFailure(pool->geometry.name);
+  }
+  return ids;
 }
+
+absl::StatusOr<int> Engine::FreePages(absl::string_view pool_name, const Caller& caller,
+                                      absl::Span<const int32_t> page_ids) {
+  ATTN_ASSIGN_OR_RETURN(Pool* const pool, FindPool(pool_name));
+  absl::MutexLock lock(&mu_);
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  ATTN_RETURN_IF_ERROR(pool->pages_.Free(page_ids, owner));
+  sessions_.Refund(owner, static_cast<int>(page_ids.size()));
+  return pool->free_pages();
+}
+
+// --- Prefill and Decode
 
 absl::StatusOr<Engine::Pool*> Engine::FindPool(absl::string_view name) {
   if (name.empty()) {
@@ -91,6 +140,113 @@ absl::StatusOr<Engine::Pool*> Engine::FindPool(absl::string_view name) {
   for (const auto& pool : pools_) names.push_back(pool->geometry.name);
   return absl::NotFoundError(
       absl::StrCat("no pool '", name, "'; pools: ", absl::StrJoin(names, ", ")));
+}
+
+absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, AttentionCall call) {
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  {
+    absl::MutexLock lock(&drain_mu_);
+    if (draining_) return absl::UnavailableError("the server is draining; retry on another server");
+    ++active_calls_;
+  }
+  // From here on `admission` owns what has been taken: a refusal below gives it all back.
+  Admission admission(this, &pool, std::move(call));
+  // Pinned pages cannot be freed or reclaimed until the call finishes.
+  const AttentionCall& c = admission.call_;
+  ATTN_RETURN_IF_ERROR(pool.pages_.Pin(c.kv_indices, owner, "kv_indices"));
+  admission.pinned_ = c.kv_indices;
+  // The pages this call appends to stay its own until it finishes.
+  ATTN_RETURN_IF_ERROR(pool.appends_.Acquire(c.append_pages));
+  admission.locked_ = c.append_pages;
+  return admission;
+}
+
+void Engine::Submit(Admission admission, absl::Time deadline, std::function<bool()> is_cancelled,
+                    Done done) {
+  Pool& pool = *admission.pool_;
+  auto pending = std::make_unique<PendingCall>();
+  pending->call = std::move(admission.call_);
+  pending->deadline = deadline;
+  pending->is_cancelled = std::move(is_cancelled);
+  const Op op = pending->call.op;
+  // std::function needs a copyable callable: the admission is shared by the copies, and the one
+  // call of `finish` releases it.
+  auto held = std::make_shared<Admission>(std::move(admission));
+  auto finish = [held, done = std::move(done)](const absl::Status& st, const CallReport& report) {
+    held->ReleasePages();
+    done(st, report);
+    held->Release();
+  };
+  pending->done = finish;
+  Batcher& batcher = pool.batcher(op);
+  if (absl::Status st = batcher.Submit(std::move(pending)); !st.ok()) {
+    CallReport report;
+    report.enqueued = report.finished = absl::Now();
+    if (absl::IsResourceExhausted(st)) report.retry_after = batcher.RetryHint();
+    finish(st, report);
+  }
+}
+
+// --- Drain
+
+void Engine::StartDrain() {
+  absl::MutexLock lock(&drain_mu_);
+  draining_ = true;
+}
+
+bool Engine::draining() const {
+  absl::MutexLock lock(&drain_mu_);
+  return draining_;
+}
+
+bool Engine::WaitForIdle(absl::Time deadline) {
+  absl::MutexLock lock(&drain_mu_);
+  return drain_mu_.AwaitWithDeadline(absl::Condition(
+                                         +[](int* active) { return *active == 0; }, &active_calls_),
+                                     deadline);
+}
+
+void Engine::EndCall() {
+  absl::MutexLock lock(&drain_mu_);
+  --active_calls_;
+}
+
+// --- Admission
+
+Admission::Admission(Admission&& other) noexcept
+    : engine_(std::exchange(other.engine_, nullptr)),
+      pool_(other.pool_),
+      call_(std::move(other.call_)),
+      pinned_(std::exchange(other.pinned_, {})),
+      locked_(std::move(other.locked_)) {
+  other.locked_.clear();
+}
+
+Admission& Admission::operator=(Admission&& other) noexcept {
+  if (this != &other) {
+    Release();
+    engine_ = std::exchange(other.engine_, nullptr);
+    pool_ = other.pool_;
+    call_ = std::move(other.call_);
+    pinned_ = std::exchange(other.pinned_, {});
+    locked_ = std::move(other.locked_);
+    other.locked_.clear();
+  }
+  return *this;
+}
+
+void Admission::ReleasePages() {
+  if (engine_ == nullptr) return;
+  pool_->appends_.Release(locked_);
+  locked_.clear();
+  pool_->pages_.Unpin(pinned_);
+  pinned_ = {};
+}
+
+void Admission::Release() {
+  if (engine_ == nullptr) return;
+  ReleasePages();
+  std::exchange(engine_, nullptr)->EndCall();
 }
 
 }  // namespace attn

@@ -1,76 +1,187 @@
 // The server's core without gRPC: the backend, the pools (geometry, page ids, storage), one
-// batcher per (pool, op), and the sessions that own pages, whose expired leases a background
-// thread reclaims.
+// batcher per (pool, op), the sessions that own pages, and admission: every rule that decides
+// whether a call may touch a pool (leases, quotas, page ownership, pins, append locks, the drain).
+// A background thread reclaims the pages of expired leases. The RPC edge only converts messages
+// into these calls and statuses back.
+//
+// Lock order: Engine::mu_ (sessions and page ownership, changed together) -> SessionTable ->
+// PagePool -> the PageObserver. drain_mu_ is never held together with another of them. Thread
+// safe.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
-#include <functional>
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
-
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "server/engine/attention_call.h"
 #include "server/engine/backend.h"
 #include "server/engine/batcher.h"
+#include "server/engine/observer.h"
 #include "server/engine/page_pool.h"
 #include "server/engine/pool_geometry.h"
 #include "server/engine/sessions.h"
 
 namespace attn {
 
+// Who makes a call: the session it names, or (no handle) the implicit session of its connection.
+struct Caller {
+  std::string session;  // a handle from OpenSession; empty: the connection's implicit session
+  std::string peer;     // the connection (used only without a handle)
+};
+
+class Admission;
+
 class Engine {
  public:
-  struct Pool {
-    Pool(PoolGeometry g) : geometry(std::move(g)), pages(geometry.num_pages) {}
+  // One pool. Its pages change only through the Engine's methods; this view is read-only.
+  class Pool {
+   public:
     const PoolGeometry geometry;
-    PagePool pages;
-    AppendLocks appends;  // pages unfinished calls append to
-    std::unique_ptr<Batcher> prefill;
-    std::unique_ptr<Batcher> decode;
-    Batcher& batcher(Op op) { return op == Op::kPrefill ? *prefill : *decode; }
+    int free_pages() const { return pages_.free_pages(); }
+    int total_pages() const { return pages_.total_pages(); }
+    const PagePool& pages() const { return pages_; }
+
+   private:
+    friend class Admission;
+    friend class Engine;
+    Pool(PoolGeometry g, PageObserver* observer)
+        : geometry(std::move(g)), pages_(geometry.num_pages, geometry.name, observer) {}
+    Batcher& batcher(Op op) { return op == Op::kPrefill ? *prefill_ : *decode_; }
+
+    PagePool pages_;
+    AppendLocks appends_;  // pages unfinished calls append to
+    std::unique_ptr<Batcher> prefill_;
+    std::unique_ptr<Batcher> decode_;
   };
 
-  // Called with (pool, pages) when a closed or expired session's pages are released.
-  using ReclaimObserver = std::function<void(const std::string& pool, int pages)>;
+  // How a submitted call ends: called exactly once, after its pages were unpinned (a client that
+  // frees them on the answer finds them free to free) and before the drain stops counting it.
+  // `report.retry_after` is set when the queue was full.
+  using Done = std::function<void(const absl::Status&, const CallReport&)>;
 
-  // Allocates every pool's storage on `backend`, starts the batchers and the lease reaper.
-  // `observer` may be null and must outlive the engine.
-  static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<Backend> backend,
-                                                        std::vector<PoolGeometry> pools,
-                                                        const BatchingOptions& batching,
-                                                        const SessionOptions& sessions,
-                                                        uint64_t epoch, BatchObserver* observer,
-                                                        ReclaimObserver on_reclaim);
-  ~Engine();  // stops the reaper and the batchers
+  // Allocates every pool's storage on `backend`, starts the batchers and the lease reaper. The
+  // observers may be null and must outlive the engine.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(
+      std::unique_ptr<Backend> backend, std::vector<PoolGeometry> pools,
+      const BatchingOptions& batching, const SessionOptions& sessions, uint64_t epoch,
+      BatchObserver* batch_observer, PageObserver* page_observer);
+  ~Engine();  // stops the reaper and the batchers (queued calls end UNAVAILABLE)
 
-  SessionTable& sessions() { return sessions_; }
-
+  // --- Sessions (the contract is attention.proto's "Sessions and leases").
+  // lease and max_pages of 0 take the defaults; the lease is capped.
+  OpenedSession OpenSession(absl::Duration lease, int max_pages);
   // Closes the session `handle` names and releases its pages; returns how many.
   absl::StatusOr<int> CloseSession(absl::string_view handle);
+  // Renews the caller's lease (a first call of a connection opens its implicit session).
+  absl::Status RenewLease(const Caller& caller);
   // Releases the pages of every session whose lease ran out by `now` (the reaper calls this).
   void ExpireSessions(absl::Time now);
 
+  // --- Pages. The session's quota and the pool change together under mu_, so a session cannot
+  // close or expire between the two (its new pages would belong to no one until a restart).
+  // UNAVAILABLE while draining; INVALID_ARGUMENT for num_pages outside [1, pool size];
+  // RESOURCE_EXHAUSTED past the quota or the free pages (nothing allocated).
+  absl::StatusOr<std::vector<int32_t>> AllocatePages(absl::string_view pool, const Caller& caller,
+                                                     int num_pages);
+  // Frees pages of the caller's session (PagePool::Free's errors; works while draining).
+  // Returns the pool's free pages afterwards.
+  absl::StatusOr<int> FreePages(absl::string_view pool, const Caller& caller,
+                                absl::Span<const int32_t> page_ids);
+
+  // --- Prefill and Decode.
   // The pool called `name`; an empty name selects the only pool when there is exactly one.
   absl::StatusOr<Pool*> FindPool(absl::string_view name);
+  // Admits a validated call of `pool`: renews the caller's lease, counts the call for the drain
+  // (UNAVAILABLE while draining), pins its page table (every page must be the caller's) and locks
+  // the pages it appends to (FAILED_PRECONDITION when another unfinished call appends there).
+  // All or nothing: a refused call holds nothing.
+  absl::StatusOr<Admission> Admit(Pool& pool, const Caller& caller, AttentionCall call);
+  // Queues an admitted call on its pool's batcher. `done` runs once, on the batcher thread, or
+  // here when the queue refuses the call (RESOURCE_EXHAUSTED when full, with retry_after).
+  // `is_cancelled` is polled before the launch; a call past `deadline` is dropped.
+  void Submit(Admission admission, absl::Time deadline, std::function<bool()> is_cancelled,
+              Done done);
 
+  // --- Graceful drain: from StartDrain on, Admit and AllocatePages answer UNAVAILABLE (FreePages
+  // and the rest keep working, so clients can give their pages back); admitted calls run to the
+  // end. WaitForIdle waits until every admitted call has finished, or until `deadline`; true if
+  // none is left.
+  void StartDrain();
+  bool draining() const;
+  bool WaitForIdle(absl::Time deadline);
+
+  uint64_t epoch() const { return sessions_.epoch(); }
+  absl::Duration default_lease() const { return sessions_.default_lease(); }
+  const SessionTable& sessions() const { return sessions_; }
   const Backend& backend() const { return *backend_; }
   const std::vector<std::unique_ptr<Pool>>& pools() const { return pools_; }
 
  private:
+  friend class Admission;
+
   Engine(std::unique_ptr<Backend> backend, const SessionOptions& sessions, uint64_t epoch,
-         ReclaimObserver on_reclaim);
-  // Releases a session's pages in every pool; `expired` reports them as reclaimed.
-  int ReleaseSession(SessionId id, bool expired);
+         PageObserver* page_observer);
+  absl::StatusOr<SessionId> Resolve(const Caller& caller);
+  // Releases the sessions' pages in every pool; returns how many.
+  int ReleaseLocked(absl::Span<const SessionId> ids, PageEvent why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndCall();  // an admitted call is over (the drain count)
 
   std::unique_ptr<Backend> backend_;
+  PageObserver* const page_observer_;
   std::vector<std::unique_ptr<Pool>> pools_;
+  // Held across every change of sessions together with pages: allocation and free with their
+  // quota charge, close and expiry with the release of the pages.
+  absl::Mutex mu_;
   SessionTable sessions_;
-  ReclaimObserver on_reclaim_;
+
+  mutable absl::Mutex drain_mu_;
+  bool draining_ ABSL_GUARDED_BY(drain_mu_) = false;
+  int active_calls_ ABSL_GUARDED_BY(drain_mu_) = 0;  // admitted calls not yet over
+
   absl::Notification stop_reaper_;
   std::thread reaper_;
+};
+
+// The right of one admitted call to run (RAII, move-only): it holds the call, its page pins, its
+// append locks and its place in the drain count, and gives all of them back when it goes out of
+// scope. Engine::Submit keeps it until the call is over; an admission that is never submitted
+// releases everything when destroyed.
+class Admission {
+ public:
+  Admission(Admission&& other) noexcept;
+  Admission& operator=(Admission&& other) noexcept;
+  Admission(const Admission&) = delete;
+  Admission& operator=(const Admission&) = delete;
+  ~Admission() { Release(); }
+
+  // The admitted call, for the caller to point its outputs at before submitting it.
+  AttentionCall& call() { return call_; }
+
+ private:
+  friend class Engine;
+  Admission(Engine* engine, Engine::Pool* pool, AttentionCall call)
+      : engine_(engine), pool_(pool), call_(std::move(call)) {}
+  // Unpins the page table and unlocks the appended pages (before the call is answered).
+  void ReleasePages();
+  // ReleasePages, then leaves the drain count.
+  void Release();
+
+  Engine* engine_ = nullptr;  // null: holds nothing (released or moved from)
+  Engine::Pool* pool_ = nullptr;
+  AttentionCall call_;
+  absl::Span<const int32_t> pinned_;  // views into the request, as call_.kv_indices
+  std::vector<int64_t> locked_;       // AppendKeys
 };
 
 }  // namespace attn

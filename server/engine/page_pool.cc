@@ -1,13 +1,18 @@
 #include "server/engine/page_pool.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
 namespace attn {
 
-PagePool::PagePool(int num_pages)
-    : num_pages_(num_pages), owner_(num_pages, 0), pins_(num_pages, 0) {
+PagePool::PagePool(int num_pages, std::string name, PageObserver* observer)
+    : num_pages_(num_pages),
+      name_(std::move(name)),
+      observer_(observer),
+      owner_(num_pages, 0),
+      pins_(num_pages, 0) {
   free_list_.reserve(num_pages);
   for (int id = num_pages - 1; id >= 0; --id) free_list_.push_back(id);
 }
@@ -15,6 +20,23 @@ PagePool::PagePool(int num_pages)
 int PagePool::free_pages() const {
   absl::ReaderMutexLock lock(&mu_);
   return static_cast<int>(free_list_.size());
+}
+
+int PagePool::pages_of(SessionId owner) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return static_cast<int>(std::count(owner_.begin(), owner_.end(), owner));
+}
+
+int PagePool::pinned_pages() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return static_cast<int>(
+      std::count_if(pins_.begin(), pins_.end(), [](int32_t n) { return n > 0; }));
+}
+
+void PagePool::ReportLocked(PageEvent event, int pages) const {
+  if (observer_ == nullptr || pages == 0) return;
+  observer_->OnPageChange(
+      PageChange{name_, event, pages, static_cast<int>(free_list_.size()), num_pages_});
 }
 
 absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int num_pages, SessionId owner) {
@@ -31,6 +53,7 @@ absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int num_pages, SessionId
   std::vector<int32_t> ids(free_list_.end() - num_pages, free_list_.end());
   free_list_.resize(free_list_.size() - num_pages);
   for (int32_t id : ids) owner_[id] = owner;
+  ReportLocked(PageEvent::kAllocated, num_pages);
   return ids;
 }
 
@@ -72,6 +95,7 @@ absl::Status PagePool::Free(absl::Span<const int32_t> ids, SessionId owner) {
     }
   }
   for (int32_t id : ids) FreeLocked(id);
+  ReportLocked(PageEvent::kFreed, static_cast<int>(ids.size()));
   return absl::OkStatus();
 }
 
@@ -84,9 +108,14 @@ absl::Status PagePool::Pin(absl::Span<const int32_t> ids, SessionId owner, const
 
 void PagePool::Unpin(absl::Span<const int32_t> ids) {
   absl::MutexLock lock(&mu_);
+  int freed = 0;
   for (int32_t id : ids) {
-    if (--pins_[id] == 0 && owner_[id] == kReleased) FreeLocked(id);
+    if (--pins_[id] == 0 && owner_[id] == kReleased) {
+      FreeLocked(id);
+      ++freed;
+    }
   }
+  ReportLocked(PageEvent::kUnpinned, freed);
 }
 
 absl::Status AppendLocks::Acquire(absl::Span<const int64_t> keys) {
@@ -108,11 +137,18 @@ void AppendLocks::Release(absl::Span<const int64_t> keys) {
   for (int64_t key : keys) held_.erase(key);
 }
 
-int PagePool::ReleaseOwner(SessionId owner) {
+int PagePool::ReleaseOwner(SessionId owner, PageEvent why) {
+  return ReleaseOwners(absl::MakeConstSpan(&owner, 1), why);
+}
+
+int PagePool::ReleaseOwners(absl::Span<const SessionId> owners, PageEvent why) {
+  if (owners.empty()) return 0;
+  const absl::flat_hash_set<SessionId> released_owners(owners.begin(), owners.end());
   absl::MutexLock lock(&mu_);
   int released = 0;
   for (int32_t id = 0; id < total_pages(); ++id) {
-    if (owner_[id] != owner) continue;
+    // Free pages (0) and pages released while pinned (kReleased) are nobody's.
+    if (owner_[id] <= 0 || !released_owners.contains(owner_[id])) continue;
     ++released;
     if (pins_[id] > 0) {
       owner_[id] = kReleased;
@@ -120,6 +156,7 @@ int PagePool::ReleaseOwner(SessionId owner) {
       FreeLocked(id);
     }
   }
+  ReportLocked(why, released);
   return released;
 }
 

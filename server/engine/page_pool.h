@@ -5,10 +5,12 @@
 // Invariant: free_pages() + used_pages() == total_pages() at all times. Every operation is
 // all-or-nothing: a failing call changes nothing. A pinned page (in the page table of a call that
 // has not finished) is never freed: Free refuses it, and pages released with their session are
-// freed when their last pin goes. Thread safe.
+// freed when their last pin goes. Every change of the counts is reported to the PageObserver,
+// under the pool's lock (so in order). Thread safe.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -18,13 +20,16 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "server/engine/attention_call.h"
+#include "server/engine/observer.h"
 #include "server/engine/sessions.h"
 
 namespace attn {
 
 class PagePool {
  public:
-  explicit PagePool(int num_pages);
+  // `name` is the pool's name in the observer's reports; `observer` may be null and must outlive
+  // the pool.
+  explicit PagePool(int num_pages, std::string name = "", PageObserver* observer = nullptr);
 
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
@@ -44,13 +49,20 @@ class PagePool {
   // Undoes Pin(ids) once the call finished; frees released pages whose last pin this was.
   void Unpin(absl::Span<const int32_t> ids);
 
-  // Releases every page of `owner` (a closed or expired session): unpinned pages are free at
-  // once, pinned ones when their calls finish. Returns how many pages it released.
-  int ReleaseOwner(SessionId owner);
+  // Releases every page of `owner` (a closed or expired session, reported as `why`): unpinned
+  // pages are free at once, pinned ones when their calls finish. Returns how many pages it
+  // released.
+  int ReleaseOwner(SessionId owner, PageEvent why = PageEvent::kClosed);
+  // The same for several owners at once, in one pass over the pool.
+  int ReleaseOwners(absl::Span<const SessionId> owners, PageEvent why);
 
   int total_pages() const { return num_pages_; }
   int free_pages() const;
   int used_pages() const { return total_pages() - free_pages(); }
+
+  // For tests and diagnostics: pages `owner` holds, and pages some unfinished call has pinned.
+  int pages_of(SessionId owner) const;
+  int pinned_pages() const;
 
  private:
   // owner_ value of a page released while pinned: freed by its last Unpin.
@@ -59,8 +71,11 @@ class PagePool {
   absl::Status CheckOwnedLocked(absl::Span<const int32_t> ids, SessionId owner,
                                 const char* field) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void FreeLocked(int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReportLocked(PageEvent event, int pages) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   const int num_pages_;
+  const std::string name_;
+  PageObserver* const observer_;
   mutable absl::Mutex mu_;
   // Free ids, popped from the back; initially in descending order so the first pages handed out
   // are 0, 1, 2, ...

@@ -156,6 +156,54 @@ TEST(PagePoolTest, ReleaseOwnerLeavesOtherSessionsAlone) {
   EXPECT_EQ(pool.ReleaseOwner(kA), 0);
 }
 
+TEST(PagePoolTest, ReleaseOwnersReleasesSeveralSessionsInOnePass) {
+  constexpr SessionId kC = 3;
+  PagePool pool(8);
+  ASSERT_TRUE(pool.Allocate(2, kA).ok() && pool.Allocate(3, kB).ok() && pool.Allocate(1, kC).ok());
+  EXPECT_EQ(pool.ReleaseOwners({kA, kC, 99}, PageEvent::kReclaimed), 3);
+  EXPECT_EQ(pool.pages_of(kA) + pool.pages_of(kC), 0);
+  EXPECT_EQ(pool.pages_of(kB), 3);
+  EXPECT_EQ(pool.free_pages(), 5);
+  EXPECT_EQ(pool.ReleaseOwners({}, PageEvent::kReclaimed), 0);
+}
+
+// Records every report, and checks that each one matches the pool it came from at that moment.
+class RecordingObserver final : public PageObserver {
+ public:
+  struct Report {
+    std::string pool;
+    PageEvent event;
+    int pages, free_pages, total_pages;
+    bool operator==(const Report&) const = default;
+  };
+  void OnPoolAdded(const std::string&, int) override {}
+  void OnPageChange(const PageChange& c) override {
+    reports.push_back(Report{c.pool, c.event, c.pages, c.free_pages, c.total_pages});
+  }
+  void OnAllocationFailure(const std::string&) override {}
+  std::vector<Report> reports;
+};
+
+TEST(PagePoolTest, ReportsEveryChangeOfItsCounts) {
+  RecordingObserver observer;
+  PagePool pool(10, "p", &observer);
+  auto a = pool.Allocate(3, kA);
+  auto b = pool.Allocate(2, kB);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(pool.Pin({(*a)[0]}, kA, "x").ok());
+  EXPECT_EQ(pool.Allocate(6, kB).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(pool.Free({(*b)[1]}, kB).ok());
+  EXPECT_EQ(pool.ReleaseOwner(kA, PageEvent::kReclaimed), 3);  // one of them pinned
+  pool.Unpin({(*a)[0]});
+  EXPECT_EQ(pool.ReleaseOwner(kB), 1);
+  using R = RecordingObserver::Report;
+  const std::vector<R> want{
+      R{"p", PageEvent::kAllocated, 3, 7, 10}, R{"p", PageEvent::kAllocated, 2, 5, 10},
+      R{"p", PageEvent::kFreed, 1, 6, 10},     R{"p", PageEvent::kReclaimed, 3, 8, 10},
+      R{"p", PageEvent::kUnpinned, 1, 9, 10},  R{"p", PageEvent::kClosed, 1, 10, 10}};
+  EXPECT_EQ(observer.reports, want);  // failures, pins and unpins that free nothing: no report
+}
+
 TEST(PagePoolTest, ConcurrentAllocateFreeKeepsInvariant) {
   PagePool pool(256);
   std::vector<std::thread> threads;

@@ -176,8 +176,11 @@ void Metrics::OnAllocationFailure(const std::string& pool) {
   alloc_failures_.Add({{"pool", pool}}).Increment();
 }
 
-void Metrics::OnPagesReclaimed(const std::string& pool, int pages) {
-  pages_reclaimed_.Add({{"pool", pool}}).Increment(pages);
+void Metrics::OnPageChange(const PageChange& change) {
+  SetPoolPages(change.pool, change.free_pages, change.total_pages);
+  if (change.event == PageEvent::kReclaimed) {
+    pages_reclaimed_.Add({{"pool", change.pool}}).Increment(change.pages);
+  }
 }
 
 void Metrics::OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) {

@@ -21,10 +21,11 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/engine/batcher.h"
+#include "server/engine/observer.h"
 
 namespace attn {
 
-class Metrics final : public BatchObserver {
+class Metrics final : public BatchObserver, public PageObserver {
  public:
   Metrics(const std::string& version, const std::string& backend, const std::string& device);
   ~Metrics() override;
@@ -44,9 +45,14 @@ class Metrics final : public BatchObserver {
   // Creates a pool's series at zero (so rates start from the first scrape) and sets its pages.
   void AddPool(const std::string& pool, int total_pages);
   void SetPoolPages(const std::string& pool, int free_pages, int total_pages);
-  void OnAllocationFailure(const std::string& pool);
-  // Pages of sessions whose lease expired, returned to the pool.
-  void OnPagesReclaimed(const std::string& pool, int pages);
+
+  // PageObserver (called by the engine, under its pools' locks): every page-count change sets the
+  // pool gauges; a lease reclaim also counts its pages.
+  void OnPoolAdded(const std::string& pool, int total_pages) override {
+    AddPool(pool, total_pages);
+  }
+  void OnPageChange(const PageChange& change) override;
+  void OnAllocationFailure(const std::string& pool) override;
 
   // BatchObserver (called on batcher threads).
   void OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) override;

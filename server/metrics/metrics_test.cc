@@ -61,7 +61,8 @@ TEST(MetricsTest, LaunchesPoolsAndTransfers) {
   EXPECT_TRUE(Has(m.Scrape(), R"(attn_pages_reclaimed_total{pool="gqa"} 0)"));
   m.SetPoolPages("gqa", 90, 100);
   m.OnAllocationFailure("gqa");
-  m.OnPagesReclaimed("gqa", 7);
+  const std::string pool = "gqa";
+  m.OnPageChange(PageChange{pool, PageEvent::kReclaimed, 7, 97, 100});
   const std::string text = m.Scrape();
   EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",le="2"} 0)")) << text;
   EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",le="4"} 1)"));
@@ -73,11 +74,30 @@ TEST(MetricsTest, LaunchesPoolsAndTransfers) {
   EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="execute"} 0.003)"));
   EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="finish"} 6e-05)"));
   EXPECT_TRUE(Has(text, R"(attn_transfer_bytes_total{direction="in"} 1000)"));
-  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="free"} 90)"));
-  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="used"} 10)"));
+  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="free"} 97)"));
+  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="used"} 3)"));
   EXPECT_TRUE(Has(text, R"(attn_kv_pages_capacity{pool="gqa"} 100)"));
   EXPECT_TRUE(Has(text, R"(attn_page_alloc_failures_total{pool="gqa"} 1)"));
   EXPECT_TRUE(Has(text, R"(attn_pages_reclaimed_total{pool="gqa"} 7)"));
+}
+
+// Every page-count change sets the gauges, whatever caused it: a lease reclaim used to count its
+// pages but leave attn_kv_pages{state="used"} where it was.
+TEST(MetricsTest, EveryPageChangeMovesThePoolGauges) {
+  Metrics m("v", "cpu", "d");
+  m.OnPoolAdded("mla", 64);
+  const std::string pool = "mla";
+  m.OnPageChange(PageChange{pool, PageEvent::kAllocated, 9, 55, 64});
+  EXPECT_TRUE(Has(m.Scrape(), R"(attn_kv_pages{pool="mla",state="used"} 9)"));
+  m.OnPageChange(PageChange{pool, PageEvent::kReclaimed, 9, 60, 64});  // 4 still pinned
+  std::string text = m.Scrape();
+  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="mla",state="used"} 4)")) << text;
+  EXPECT_TRUE(Has(text, R"(attn_pages_reclaimed_total{pool="mla"} 9)"));
+  m.OnPageChange(PageChange{pool, PageEvent::kUnpinned, 4, 64, 64});
+  text = m.Scrape();
+  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="mla",state="used"} 0)")) << text;
+  EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="mla",state="free"} 64)"));
+  EXPECT_TRUE(Has(text, R"(attn_pages_reclaimed_total{pool="mla"} 9)"));  // counted once
 }
 
 TEST(MetricsTest, ServesOnAFreePort) {

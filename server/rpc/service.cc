@@ -1,15 +1,16 @@
 #include "server/rpc/service.h"
 
-#include <memory>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/proto_buffer_writer.h"
-#include "server/rpc/grpc_status.h"
 #include "server/api/pool_config.h"
 #include "server/api/validate.h"
+#include "server/rpc/grpc_status.h"
 
 namespace attn {
 namespace {
@@ -20,6 +21,11 @@ absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
 }
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
+
+// The session a request names, or (none named) its connection.
+Caller CallerOf(grpc::CallbackServerContext* ctx, const std::string& session) {
+  return Caller{session, session.empty() ? ctx->peer() : std::string()};
+}
 
 constexpr char kGetServerInfo[] = "GetServerInfo";
 constexpr char kAllocatePages[] = "AllocatePages";
@@ -69,13 +75,9 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
   grpc::ByteBuffer* const reply_;
 };
 
-AttentionServiceImpl::AttentionServiceImpl(Engine* engine, Metrics* metrics,
-                                           const Authorizer* auth, int64_t max_message_bytes)
-    : engine_(engine), metrics_(metrics), auth_(auth), max_message_bytes_(max_message_bytes) {
-  for (const auto& pool : engine_->pools()) {
-    metrics_->AddPool(pool->geometry.name, pool->pages.total_pages());
-  }
-}
+AttentionServiceImpl::AttentionServiceImpl(Engine* engine, Metrics* metrics, const Authorizer* auth,
+                                           int64_t max_message_bytes)
+    : engine_(engine), metrics_(metrics), auth_(auth), max_message_bytes_(max_message_bytes) {}
 
 template <typename Request, typename Response>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
@@ -141,34 +143,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
   return Serve(kCloseSession, ctx, in, out, &AttentionServiceImpl::HandleCloseSession);
 }
 
-void AttentionServiceImpl::StartDrain() {
-  absl::MutexLock lock(&mu_);
-  draining_ = true;
-}
-
-bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
-  return mu_.AwaitWithDeadline(
-      absl::Condition(+[](int* active) { return *active == 0; }, &active_calls_), deadline);
-}
-
-bool AttentionServiceImpl::draining() {
-  absl::MutexLock lock(&mu_);
-  return draining_;
-}
-
-absl::Status AttentionServiceImpl::Admit() {
-  absl::MutexLock lock(&mu_);
-  if (draining_) return absl::UnavailableError("the server is draining; retry on another server");
-  ++active_calls_;
-  return absl::OkStatus();
-}
-
-void AttentionServiceImpl::Release() {
-  absl::MutexLock lock(&mu_);
-  --active_calls_;
-}
-
 absl::Status AttentionServiceImpl::Authorize(grpc::CallbackServerContext* ctx,
                                              const char* method) const {
   if (!auth_->enabled()) return absl::OkStatus();
@@ -180,34 +154,26 @@ absl::Status AttentionServiceImpl::Authorize(grpc::CallbackServerContext* ctx,
   return auth_->Check(token, method);
 }
 
-absl::StatusOr<SessionId> AttentionServiceImpl::Session(grpc::CallbackServerContext* ctx,
-                                                        const std::string& handle) {
-  return engine_->sessions().Resolve(handle, ctx->peer(), absl::Now());
-}
-
-void AttentionServiceImpl::UpdatePoolGauges(const Engine::Pool& pool) {
-  metrics_->SetPoolPages(pool.geometry.name, pool.pages.free_pages(), pool.pages.total_pages());
-}
-
 void AttentionServiceImpl::HandleGetServerInfo(
     Call<v1::GetServerInfoRequest, v1::GetServerInfoResponse>& call) {
   if (!call.request.session().empty()) {
-    if (absl::StatusOr<SessionId> id = Session(call.ctx, call.request.session()); !id.ok()) {
-      return call.Complete(id.status());
+    if (absl::Status st = engine_->RenewLease(CallerOf(call.ctx, call.request.session()));
+        !st.ok()) {
+      return call.Complete(st);
     }
   }
   v1::GetServerInfoResponse& resp = call.response;
   resp.set_version(kVersion);
-  resp.set_epoch(engine_->sessions().epoch());
+  resp.set_epoch(engine_->epoch());
   resp.set_default_lease_ms(
-      static_cast<int32_t>(absl::ToInt64Milliseconds(engine_->sessions().default_lease())));
+      static_cast<int32_t>(absl::ToInt64Milliseconds(engine_->default_lease())));
   resp.set_backend(engine_->backend().name());
   resp.set_device(engine_->backend().device());
   resp.set_max_message_bytes(max_message_bytes_);
   for (const auto& pool : engine_->pools()) {
     v1::PoolInfo* info = resp.add_pools();
     *info = ToPoolInfo(pool->geometry);
-    info->set_free_pages(pool->pages.free_pages());
+    info->set_free_pages(pool->free_pages());
   }
   call.Complete(absl::OkStatus());
 }
@@ -215,51 +181,20 @@ void AttentionServiceImpl::HandleGetServerInfo(
 void AttentionServiceImpl::HandleAllocatePages(
     Call<v1::AllocatePagesRequest, v1::AllocatePagesResponse>& call) {
   const v1::AllocatePagesRequest& req = call.request;
-  if (draining()) {
-    return call.Complete(absl::UnavailableError("the server is draining; allocate elsewhere"));
-  }
-  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
-  if (!pool.ok()) return call.Complete(pool.status());
-  absl::StatusOr<SessionId> owner = Session(call.ctx, req.session());
-  if (!owner.ok()) return call.Complete(owner.status());
-  const int total = (*pool)->pages.total_pages();
-  if (req.num_pages() < 1 || req.num_pages() > total) {
-    return call.Complete(absl::InvalidArgumentError(
-        absl::StrCat("num_pages = ", req.num_pages(), " is outside [1, ", total, "]")));
-  }
-  // The quota first (other sessions' pages are never touched), then the pool.
-  SessionTable& sessions = engine_->sessions();
-  absl::StatusOr<std::vector<int32_t>> ids = absl::UnknownError("unset");
-  if (absl::Status quota = sessions.Charge(*owner, req.num_pages()); !quota.ok()) {
-    ids = quota;
-  } else {
-    ids = (*pool)->pages.Allocate(req.num_pages(), *owner);
-    if (!ids.ok()) sessions.Refund(*owner, req.num_pages());
-  }
-  if (!ids.ok()) {
-    if (absl::IsResourceExhausted(ids.status())) {
-      metrics_->OnAllocationFailure((*pool)->geometry.name);
-    }
-    return call.Complete(ids.status());
-  }
+  absl::StatusOr<std::vector<int32_t>> ids =
+      engine_->AllocatePages(req.pool(), CallerOf(call.ctx, req.session()), req.num_pages());
+  if (!ids.ok()) return call.Complete(ids.status());
   call.response.mutable_page_ids()->Assign(ids->begin(), ids->end());
-  UpdatePoolGauges(**pool);
   call.Complete(absl::OkStatus());
 }
 
 void AttentionServiceImpl::HandleFreePages(
     Call<v1::FreePagesRequest, v1::FreePagesResponse>& call) {
   const v1::FreePagesRequest& req = call.request;
-  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
-  if (!pool.ok()) return call.Complete(pool.status());
-  absl::StatusOr<SessionId> owner = Session(call.ctx, req.session());
-  if (!owner.ok()) return call.Complete(owner.status());
-  if (absl::Status st = (*pool)->pages.Free(req.page_ids(), *owner); !st.ok()) {
-    return call.Complete(st);
-  }
-  engine_->sessions().Refund(*owner, req.page_ids_size());
-  call.response.set_free_pages((*pool)->pages.free_pages());
-  UpdatePoolGauges(**pool);
+  absl::StatusOr<int> free =
+      engine_->FreePages(req.pool(), CallerOf(call.ctx, req.session()), req.page_ids());
+  if (!free.ok()) return call.Complete(free.status());
+  call.response.set_free_pages(*free);
   call.Complete(absl::OkStatus());
 }
 
@@ -271,10 +206,9 @@ void AttentionServiceImpl::HandleOpenSession(
         absl::StrCat("lease_ms = ", req.lease_ms(), " and max_pages = ", req.max_pages(),
                      " must not be negative (0 takes the server's default)")));
   }
-  const OpenedSession s =
-      engine_->sessions().Open(absl::Milliseconds(req.lease_ms()), req.max_pages(), call.arrived);
+  const OpenedSession s = engine_->OpenSession(absl::Milliseconds(req.lease_ms()), req.max_pages());
   call.response.set_session(s.handle);
-  call.response.set_epoch(engine_->sessions().epoch());
+  call.response.set_epoch(engine_->epoch());
   call.response.set_lease_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(s.lease)));
   call.response.set_max_pages(s.max_pages);
   call.Complete(absl::OkStatus());
@@ -285,14 +219,12 @@ void AttentionServiceImpl::HandleCloseSession(
   absl::StatusOr<int> freed = engine_->CloseSession(call.request.session());
   if (!freed.ok()) return call.Complete(freed.status());
   call.response.set_freed_pages(*freed);
-  for (const auto& pool : engine_->pools()) UpdatePoolGauges(*pool);
   call.Complete(absl::OkStatus());
 }
 
 template <typename Request>
 void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>& call) {
   const Request& req = call.request;
-  const Op op = std::is_same_v<Request, v1::PrefillRequest> ? Op::kPrefill : Op::kDecode;
   absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
   if (!pool.ok()) return call.Complete(pool.status());
   const PoolGeometry& g = (*pool)->geometry;
@@ -304,74 +236,49 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
     attention = ValidateDecode(req, g);
   }
   if (!attention.ok()) return call.Complete(attention.status());
-  absl::StatusOr<SessionId> owner = Session(call.ctx, req.session());
-  if (!owner.ok()) return call.Complete(owner.status());
+  absl::StatusOr<Admission> admitted =
+      engine_->Admit(**pool, CallerOf(call.ctx, req.session()), *std::move(attention));
+  if (!admitted.ok()) return call.Complete(admitted.status());
 
-  const int out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
+  // The backend writes the outputs straight into the response.
+  AttentionCall& c = admitted->call();
+  const RowShapes& rows = g.rows();
   v1::Tensor* out = call.response.mutable_output();
   out->set_dtype(v1::DTYPE_BF16);
-  out->add_shape(attention->total_q);
-  out->add_shape(g.num_qo_heads);
-  out->add_shape(out_dim);
-  attention->out = out->mutable_data();
-  if (attention->return_lse) {
+  out->add_shape(c.total_q);
+  out->add_shape(rows.out.heads);
+  out->add_shape(rows.out.dim);
+  c.out = out->mutable_data();
+  if (c.return_lse) {
     v1::Tensor* lse = call.response.mutable_lse();
     lse->set_dtype(v1::DTYPE_FP32);
-    lse->add_shape(attention->total_q);
-    lse->add_shape(g.num_qo_heads);
-    attention->lse = lse->mutable_data();
+    lse->add_shape(c.total_q);
+    lse->add_shape(rows.lse);
+    c.lse = lse->mutable_data();
   }
 
-  if (absl::Status st = Admit(); !st.ok()) return call.Complete(st);
-  // Pinned pages cannot be freed or reclaimed until the call finishes.
-  PagePool& pages = (*pool)->pages;
-  const absl::Span<const int32_t> pinned = attention->kv_indices;
-  if (absl::Status st = pages.Pin(pinned, *owner, "kv_indices"); !st.ok()) {
-    Release();
-    return call.Complete(st);
-  }
-  // The pages this call appends to stay its own until it finishes.
-  AppendLocks& appends = (*pool)->appends;
-  if (absl::Status st = appends.Acquire(attention->append_pages); !st.ok()) {
-    pages.Unpin(pinned);
-    Release();
-    return call.Complete(st);
-  }
-  // How the call ends once admitted, whether or not it ran: its pages go back, then it finishes.
-  auto end = [this, &call, &pages, pinned, &appends,
-              appended = attention->append_pages](const absl::Status& st) {
-    appends.Release(appended);
-    pages.Unpin(pinned);
-    call.Complete(st);
-    Release();
-  };
   grpc::CallbackServerContext* ctx = call.ctx;
-  auto pending = std::make_unique<PendingCall>();
-  pending->call = *std::move(attention);
-  pending->deadline = ToAbslTime(ctx->deadline());
-  pending->is_cancelled = [ctx] { return ctx->IsCancelled(); };
-  pending->done = [&call, end](const absl::Status& st, const CallReport& report) {
-    if (st.ok()) {
-      v1::Timings* t = call.response.mutable_timings();
-      t->set_queue_us(Micros(report.launched - report.enqueued));
-      t->set_compute_us(Micros(report.launch.compute));
-      t->set_prepare_us(Micros(report.launch.prepare));
-      t->set_execute_us(Micros(report.launch.execute));
-      t->set_finish_us(Micros(report.launch.finish));
-      t->set_total_us(Micros(report.finished - call.arrived));
-      t->set_batch_requests(report.batch_requests);
-    }
-    end(st);
-  };
-  Batcher& batcher = (*pool)->batcher(op);
-  if (absl::Status st = batcher.Submit(std::move(pending)); !st.ok()) {
-    if (absl::IsResourceExhausted(st)) {
-      // The standard gRPC retry-pushback trailer: clients with a retry policy wait this long.
-      ctx->AddTrailingMetadata("grpc-retry-pushback-ms",
-                               absl::StrCat(absl::ToInt64Milliseconds(batcher.RetryHint())));
-    }
-    end(st);
-  }
+  engine_->Submit(
+      *std::move(admitted), ToAbslTime(ctx->deadline()), [ctx] { return ctx->IsCancelled(); },
+      [&call](const absl::Status& st, const CallReport& report) {
+        if (st.ok()) {
+          v1::Timings* t = call.response.mutable_timings();
+          t->set_queue_us(Micros(report.launched - report.enqueued));
+          t->set_compute_us(Micros(report.launch.compute));
+          t->set_prepare_us(Micros(report.launch.prepare));
+          t->set_execute_us(Micros(report.launch.execute));
+          t->set_finish_us(Micros(report.launch.finish));
+          t->set_total_us(Micros(report.finished - call.arrived));
+          t->set_batch_requests(report.batch_requests);
+        }
+        if (report.retry_after > absl::ZeroDuration()) {
+          // The standard gRPC retry-pushback trailer: clients with a retry policy wait this long.
+          call.ctx->AddTrailingMetadata(
+              "grpc-retry-pushback-ms",
+              absl::StrCat(absl::ToInt64Milliseconds(report.retry_after)));
+        }
+        call.Complete(st);
+      });
 }
 
 }  // namespace attn

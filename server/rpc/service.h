@@ -8,12 +8,10 @@
 
 #include <string>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
-#include "server/rpc/auth.h"
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/auth.h"
 
 namespace attn {
 
@@ -33,16 +31,10 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServe
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
-  // `engine`, `metrics` and `auth` must outlive the service.
+  // `engine`, `metrics` and `auth` must outlive the service. The engine decides; the service
+  // converts requests into engine calls and their results into responses and statuses.
   AttentionServiceImpl(Engine* engine, Metrics* metrics, const Authorizer* auth,
                        int64_t max_message_bytes);
-
-  // Graceful drain: from now on Prefill, Decode and AllocatePages answer UNAVAILABLE (FreePages
-  // and GetServerInfo keep working so clients can give their pages back); calls already accepted
-  // run to completion.
-  void StartDrain();
-  // Waits until every accepted Prefill/Decode has finished, or until `deadline`. True if idle.
-  bool WaitForIdle(absl::Time deadline);
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const grpc::ByteBuffer* in,
@@ -86,22 +78,11 @@ class AttentionServiceImpl final : public RawAttentionService {
 
   // OK when the call's bearer token may call `method` (always, without configured tokens).
   absl::Status Authorize(grpc::CallbackServerContext* ctx, const char* method) const;
-  // The session a call names, or its connection's implicit one; renews the lease.
-  absl::StatusOr<SessionId> Session(grpc::CallbackServerContext* ctx, const std::string& handle);
-  void UpdatePoolGauges(const Engine::Pool& pool);
-
-  // Counts an accepted attention call, or returns UNAVAILABLE while draining.
-  absl::Status Admit();
-  void Release();
-  bool draining();
 
   Engine* const engine_;
   Metrics* const metrics_;
   const Authorizer* const auth_;
   const int64_t max_message_bytes_;
-  absl::Mutex mu_;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  int active_calls_ ABSL_GUARDED_BY(mu_) = 0;  // accepted Prefill/Decode not yet finished
 };
 
 }  // namespace attn

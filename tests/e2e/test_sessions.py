@@ -100,7 +100,11 @@ def test_expired_leases_are_reclaimed(own) -> None:
     while free(a) != total and time.monotonic() < deadline:
         time.sleep(0.1)
     assert free(a) == total
-    assert sample(own.metrics(), "attn_pages_reclaimed_total", pool=POOL) == 9
+    metrics = own.metrics()
+    assert sample(metrics, "attn_pages_reclaimed_total", pool=POOL) == 9
+    # The gauges follow the reclaim (they used to keep the reclaimed pages as used).
+    assert sample(metrics, "attn_kv_pages", pool=POOL, state="used") == 0
+    assert sample(metrics, "attn_kv_pages", pool=POOL, state="free") == total
     expired = decode(pages, 70, explicit.session)
     assert code_of(lambda: a.Decode(expired, timeout=10)) == Code.NOT_FOUND
 

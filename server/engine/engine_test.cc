@@ -1,0 +1,490 @@
+// The engine's rules without gRPC: quotas, page ownership, admission (pins, append locks), lease
+// reclaim, the drain and what the observer hears. The backend is a fake whose lanes can be held,
+// so calls stay in flight exactly as long as a test needs.
+#include "server/engine/engine.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+
+namespace attn {
+namespace {
+
+using ::absl::StatusCode;
+
+// Lanes that run nothing, and that a test can hold so that calls pile up behind a running one.
+struct Gate {
+  absl::Mutex mu;
+  bool hold ABSL_GUARDED_BY(mu) = false;
+  int running ABSL_GUARDED_BY(mu) = 0;
+  int launches ABSL_GUARDED_BY(mu) = 0;
+
+  void Hold(bool h) {
+    absl::MutexLock lock(&mu);
+    hold = h;
+  }
+  int Launches() {
+    absl::MutexLock lock(&mu);
+    return launches;
+  }
+  void AwaitRunning() {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(
+        +[](Gate* g) ABSL_NO_THREAD_SAFETY_ANALYSIS { return g->running > 0; }, this));
+  }
+};
+
+class GateLane final : public Lane {
+ public:
+  explicit GateLane(Gate* gate) : gate_(gate) {}
+  absl::StatusOr<LaunchStats> Run(absl::Span<AttentionCall* const>) override {
+    absl::MutexLock lock(&gate_->mu);
+    ++gate_->running;
+    gate_->mu.Await(absl::Condition(
+        +[](Gate* g) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !g->hold; }, gate_));
+    --gate_->running;
+    ++gate_->launches;
+    return LaunchStats{};
+  }
+
+ private:
+  Gate* gate_;
+};
+
+class GateBackend final : public Backend {
+ public:
+  explicit GateBackend(Gate* gate) : gate_(gate) {}
+  std::string name() const override { return "gate"; }
+  std::string device() const override { return "none"; }
+  absl::Status AddPool(const PoolGeometry&) override { return absl::OkStatus(); }
+  absl::StatusOr<std::unique_ptr<Lane>> CreateLane(int, Op) override {
+    return std::unique_ptr<Lane>(new GateLane(gate_));
+  }
+
+ private:
+  Gate* gate_;
+};
+
+// Checks each report against the pool it names, and keeps what a metrics gauge would show.
+class CheckingObserver final : public PageObserver {
+ public:
+  void OnPoolAdded(const std::string& pool, int total_pages) override {
+    absl::MutexLock lock(&mu_);
+    free_[pool] = total_pages;
+  }
+  void OnPageChange(const PageChange& c) override {
+    absl::MutexLock lock(&mu_);
+    EXPECT_GT(c.pages, 0);
+    EXPECT_GE(c.free_pages, 0);
+    EXPECT_LE(c.free_pages, c.total_pages);
+    free_[c.pool] = c.free_pages;
+    events_[c.pool].push_back(c.event);
+    if (c.event == PageEvent::kReclaimed) reclaimed_[c.pool] += c.pages;
+  }
+  void OnAllocationFailure(const std::string& pool) override {
+    absl::MutexLock lock(&mu_);
+    ++failures_[pool];
+  }
+  int free(const std::string& pool) {
+    absl::MutexLock lock(&mu_);
+    return free_[pool];
+  }
+  int reclaimed(const std::string& pool) {
+    absl::MutexLock lock(&mu_);
+    return reclaimed_[pool];
+  }
+  int failures(const std::string& pool) {
+    absl::MutexLock lock(&mu_);
+    return failures_[pool];
+  }
+  std::vector<PageEvent> events(const std::string& pool) {
+    absl::MutexLock lock(&mu_);
+    return events_[pool];
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, int> free_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> reclaimed_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> failures_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<PageEvent>> events_ ABSL_GUARDED_BY(mu_);
+};
+
+constexpr int kGqaPages = 16;
+constexpr int kMlaPages = 8;
+
+// The outcome of a submitted call, and what the engine looked like when it was answered.
+struct Answer {
+  absl::Notification done;
+  absl::Status status;
+  CallReport report;
+  absl::Status free_on_answer;  // FreePages of the call's pages, tried in `done`
+  bool idle_on_answer = true;   // WaitForIdle(now) in `done`
+};
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Start(BatchingOptions{}); }
+
+  void Start(BatchingOptions batching) {
+    engine_.reset();
+    SessionOptions sessions;
+    sessions.default_lease = absl::Minutes(10);  // the reaper never expires anything by itself
+    std::vector<PoolGeometry> pools{PoolGeometry::Gqa("gqa", 2, 4, 4, 2, 64, kGqaPages),
+                                    PoolGeometry::Mla("mla", 1, 4, 2, kMlaPages)};
+    auto engine = Engine::Create(std::make_unique<GateBackend>(&gate_), std::move(pools), batching,
+                                 sessions, /*epoch=*/7, nullptr, &observer_);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = *std::move(engine);
+  }
+
+  Caller Open(int max_pages = 0, absl::Duration lease = absl::ZeroDuration()) {
+    return Caller{engine_->OpenSession(lease, max_pages).handle, ""};
+  }
+  std::vector<int32_t> Allocate(const Caller& who, int n, const std::string& pool = "gqa") {
+    absl::StatusOr<std::vector<int32_t>> ids = engine_->AllocatePages(pool, who, n);
+    EXPECT_TRUE(ids.ok()) << ids.status();
+    return ids.ok() ? *ids : std::vector<int32_t>{};
+  }
+  Engine::Pool& Pool(const std::string& name = "gqa") { return **engine_->FindPool(name); }
+
+  // A decode over `pages` (one sequence); appending to its last page when `append`.
+  static AttentionCall Decode(const std::vector<int32_t>& pages, bool append) {
+    AttentionCall c;
+    c.op = Op::kDecode;
+    c.batch_size = 1;
+    c.total_q = 1;
+    c.kv_indices = pages;
+    if (append && !pages.empty()) c.append_pages = {AppendKey(pages.back(), 0)};
+    return c;
+  }
+  absl::StatusOr<Admission> Admit(const Caller& who, const std::vector<int32_t>& pages,
+                                  bool append = false, const std::string& pool = "gqa") {
+    return engine_->Admit(Pool(pool), who, Decode(pages, append));
+  }
+  void Submit(Admission a, const Caller& who, const std::vector<int32_t>& pages, Answer* answer) {
+    engine_->Submit(std::move(a), absl::InfiniteFuture(), nullptr,
+                    [this, who, pages, answer](const absl::Status& st, const CallReport& r) {
+                      answer->status = st;
+                      answer->report = r;
+                      answer->free_on_answer = engine_->FreePages("gqa", who, pages).status();
+                      answer->idle_on_answer = engine_->WaitForIdle(absl::Now());
+                      answer->done.Notify();
+                    });
+  }
+  void ExpectBalanced() {
+    for (const auto& pool : engine_->pools()) {
+      const PagePool& pages = pool->pages();
+      EXPECT_EQ(pages.free_pages() + pages.used_pages(), pages.total_pages());
+      // The observer (the metrics' gauges) saw the pool as it is.
+      EXPECT_EQ(observer_.free(pool->geometry.name), pool->free_pages()) << pool->geometry.name;
+    }
+  }
+
+  Gate gate_;
+  CheckingObserver observer_;
+  std::unique_ptr<Engine> engine_;
+};
+
+TEST_F(EngineTest, QuotaIsChargedWithThePoolAndRefundedOnFree) {
+  const Caller a = Open(/*max_pages=*/5);
+  const std::vector<int32_t> three = Allocate(a, 3);
+  ASSERT_EQ(three.size(), 3u);
+  Allocate(a, 1, "mla");  // the quota is summed over pools
+  EXPECT_EQ(engine_->AllocatePages("gqa", a, 2).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(Pool().free_pages(), kGqaPages - 3);  // the refused call allocated nothing
+  EXPECT_EQ(observer_.failures("gqa"), 1);
+  absl::StatusOr<int> free = engine_->FreePages("gqa", a, {three[0], three[1]});
+  ASSERT_TRUE(free.ok()) << free.status();
+  EXPECT_EQ(*free, kGqaPages - 1);
+  EXPECT_EQ(Allocate(a, 2).size(), 2u);  // the freed pages went back to the quota
+  ExpectBalanced();
+}
+
+TEST_F(EngineTest, AFullPoolRefundsTheQuotaItCharged) {
+  const Caller a = Open(/*max_pages=*/kGqaPages);
+  const Caller b = Open();
+  Allocate(b, kGqaPages - 2);
+  EXPECT_EQ(engine_->AllocatePages("gqa", a, 4).status().code(), StatusCode::kResourceExhausted);
+  ASSERT_TRUE(engine_->CloseSession(b.session).ok());
+  // Had the refused call kept its charge, a would now be 4 pages short of its quota.
+  EXPECT_EQ(Allocate(a, kGqaPages).size(), static_cast<size_t>(kGqaPages));
+  ExpectBalanced();
+}
+
+TEST_F(EngineTest, AllocationErrorsComeInTheServicesOrder) {
+  const Caller a = Open();
+  EXPECT_EQ(engine_->AllocatePages("nope", a, 1).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine_->AllocatePages("gqa", Caller{"garbage", ""}, 1).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->AllocatePages("gqa", a, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->AllocatePages("gqa", a, kGqaPages + 1).status().code(),
+            StatusCode::kInvalidArgument);
+  engine_->StartDrain();
+  EXPECT_EQ(engine_->AllocatePages("nope", a, 0).status().code(), StatusCode::kUnavailable);
+}
+
+TEST_F(EngineTest, ImplicitSessionsBelongToTheirConnection) {
+  const Caller here{"", "ipv4:127.0.0.1:1"}, there{"", "ipv4:127.0.0.1:2"};
+  const std::vector<int32_t> mine = Allocate(here, 2);
+  EXPECT_EQ(Admit(there, mine).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->FreePages("gqa", there, mine).status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(engine_->FreePages("gqa", here, mine).ok());
+}
+
+TEST_F(EngineTest, CloseSessionReleasesItsPagesInEveryPool) {
+  const Caller a = Open();
+  Allocate(a, 3);
+  Allocate(a, 2, "mla");
+  absl::StatusOr<int> freed = engine_->CloseSession(a.session);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(*freed, 5);
+  EXPECT_EQ(Pool().free_pages(), kGqaPages);
+  EXPECT_EQ(Pool("mla").free_pages(), kMlaPages);
+  EXPECT_EQ(engine_->CloseSession(a.session).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine_->AllocatePages("gqa", a, 1).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(observer_.reclaimed("gqa"), 0);  // a close is not a reclaim
+  ExpectBalanced();
+}
+
+// The stale gauge: a reclaim must move the pool's counts as the observer reports them.
+TEST_F(EngineTest, ExpiredLeasesAreReclaimedAndReported) {
+  const Caller a = Open(0, absl::Seconds(1));
+  const Caller b = Open(0, absl::Hours(1));
+  Allocate(a, 5);
+  Allocate(a, 1, "mla");
+  Allocate(b, 2);
+  EXPECT_EQ(observer_.free("gqa"), kGqaPages - 7);
+  engine_->ExpireSessions(absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(Pool().free_pages(), kGqaPages - 2);
+  EXPECT_EQ(observer_.free("gqa"), kGqaPages - 2);
+  EXPECT_EQ(observer_.free("mla"), kMlaPages);
+  EXPECT_EQ(observer_.reclaimed("gqa"), 5);
+  EXPECT_EQ(observer_.reclaimed("mla"), 1);
+  EXPECT_EQ(engine_->RenewLease(a).code(), StatusCode::kNotFound);
+  EXPECT_TRUE(engine_->RenewLease(b).ok());
+  ExpectBalanced();
+}
+
+TEST_F(EngineTest, AnAdmissionHoldsPinsAndAppendLocksUntilItGoesOutOfScope) {
+  const Caller a = Open();
+  const std::vector<int32_t> pages = Allocate(a, 3);
+  {
+    absl::StatusOr<Admission> first = Admit(a, pages, /*append=*/true);
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(Pool().pages().pinned_pages(), 3);
+    EXPECT_EQ(engine_->FreePages("gqa", a, {pages[0]}).status().code(),
+              StatusCode::kFailedPrecondition);
+    // Reading the pages is fine; appending to the same page of the same layer is not.
+    absl::StatusOr<Admission> reader = Admit(a, pages);
+    EXPECT_TRUE(reader.ok()) << reader.status();
+    EXPECT_EQ(Admit(a, pages, /*append=*/true).status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_FALSE(engine_->WaitForIdle(absl::Now()));  // two admitted calls
+    // Moving an admission moves what it holds; assigning over one releases the old.
+    Admission moved = *std::move(first);
+    EXPECT_EQ(Admit(a, pages, /*append=*/true).status().code(), StatusCode::kFailedPrecondition);
+    moved = *std::move(reader);
+    absl::StatusOr<Admission> again = Admit(a, pages, /*append=*/true);
+    EXPECT_TRUE(again.ok()) << again.status();
+  }
+  EXPECT_EQ(Pool().pages().pinned_pages(), 0);
+  EXPECT_TRUE(engine_->WaitForIdle(absl::Now()));
+  EXPECT_TRUE(engine_->FreePages("gqa", a, pages).ok());
+  ExpectBalanced();
+}
+
+TEST_F(EngineTest, ARefusedAdmissionHoldsNothing) {
+  const Caller a = Open(), b = Open();
+  const std::vector<int32_t> mine = Allocate(a, 2);
+  const std::vector<int32_t> theirs = Allocate(b, 1);
+  // A page of another session, after one of its own: the first page is not left pinned.
+  EXPECT_EQ(Admit(a, {mine[0], theirs[0]}).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Admit(a, {mine[0], kGqaPages}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Admit(Caller{"0000000000000007-" + std::string(32, '9'), ""}, mine).status().code(),
+            StatusCode::kNotFound);
+  absl::StatusOr<Admission> appending = Admit(a, mine, /*append=*/true);
+  ASSERT_TRUE(appending.ok());
+  EXPECT_EQ(Admit(a, mine, /*append=*/true).status().code(), StatusCode::kFailedPrecondition);
+  appending = absl::CancelledError("dropped");
+  EXPECT_EQ(Pool().pages().pinned_pages(), 0);
+  EXPECT_TRUE(engine_->WaitForIdle(absl::Now()));
+  EXPECT_TRUE(Admit(a, mine, /*append=*/true).ok());
+}
+
+TEST_F(EngineTest, ASubmittedCallIsUnpinnedBeforeItsAnswerAndCountedUntilAfter) {
+  const Caller a = Open();
+  const std::vector<int32_t> pages = Allocate(a, 2);
+  gate_.Hold(true);
+  absl::StatusOr<Admission> admitted = Admit(a, pages, /*append=*/true);
+  ASSERT_TRUE(admitted.ok());
+  Answer answer;
+  Submit(*std::move(admitted), a, pages, &answer);
+  gate_.AwaitRunning();
+  EXPECT_EQ(engine_->FreePages("gqa", a, pages).status().code(), StatusCode::kFailedPrecondition);
+  gate_.Hold(false);
+  ASSERT_TRUE(answer.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(answer.status.ok()) << answer.status;
+  EXPECT_TRUE(answer.free_on_answer.ok()) << answer.free_on_answer;  // unpinned by then
+  EXPECT_FALSE(answer.idle_on_answer);  // still counted while it is answered
+  EXPECT_TRUE(engine_->WaitForIdle(absl::Now() + absl::Seconds(30)));
+  ExpectBalanced();
+}
+
+TEST_F(EngineTest, DrainRefusesNewWorkAndWaitsForAdmittedCalls) {
+  const Caller a = Open();
+  const std::vector<int32_t> pages = Allocate(a, 2);
+  const std::vector<int32_t> spare = Allocate(a, 1);
+  gate_.Hold(true);
+  absl::StatusOr<Admission> admitted = Admit(a, pages);
+  ASSERT_TRUE(admitted.ok());
+  Answer answer;
+  Submit(*std::move(admitted), a, pages, &answer);
+  gate_.AwaitRunning();
+
+  engine_->StartDrain();
+  EXPECT_TRUE(engine_->draining());
+  EXPECT_EQ(Admit(a, spare).status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(engine_->AllocatePages("gqa", a, 1).status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(engine_->FreePages("gqa", a, spare).ok());  // clients can still give pages back
+  EXPECT_FALSE(engine_->WaitForIdle(absl::Now() + absl::Milliseconds(10)));
+  gate_.Hold(false);
+  EXPECT_TRUE(engine_->WaitForIdle(absl::Now() + absl::Seconds(30)));
+  ASSERT_TRUE(answer.done.HasBeenNotified());
+  EXPECT_TRUE(answer.status.ok());
+}
+
+TEST_F(EngineTest, AFullQueueAnswersAtOnceWithARetryHint) {
+  BatchingOptions batching;
+  batching.max_queue_requests = 1;
+  Start(batching);
+  const Caller a = Open();
+  const std::vector<int32_t> p0 = Allocate(a, 1), p1 = Allocate(a, 1), p2 = Allocate(a, 1);
+  gate_.Hold(true);
+  Answer running, queued, refused;
+  absl::StatusOr<Admission> admitted = Admit(a, p0);
+  Submit(*std::move(admitted), a, p0, &running);
+  gate_.AwaitRunning();
+  admitted = Admit(a, p1);
+  Submit(*std::move(admitted), a, p1, &queued);
+  admitted = Admit(a, p2, /*append=*/true);
+  ASSERT_TRUE(admitted.ok());
+  Submit(*std::move(admitted), a, p2, &refused);
+  ASSERT_TRUE(refused.done.HasBeenNotified());  // answered inside Submit
+  EXPECT_EQ(refused.status.code(), StatusCode::kResourceExhausted);
+  EXPECT_GE(refused.report.retry_after, absl::Milliseconds(1));
+  EXPECT_TRUE(refused.free_on_answer.ok()) << refused.free_on_answer;
+  EXPECT_TRUE(Admit(a, p1, /*append=*/true).ok());  // nothing of the refused call is held
+  gate_.Hold(false);
+  ASSERT_TRUE(queued.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(queued.status.ok());
+  EXPECT_EQ(queued.report.retry_after, absl::ZeroDuration());
+  EXPECT_TRUE(engine_->WaitForIdle(absl::Now() + absl::Seconds(30)));
+}
+
+TEST_F(EngineTest, PagesReclaimedWhilePinnedAreFreedByTheirLastCall) {
+  const Caller a = Open(0, absl::Seconds(1));
+  const std::vector<int32_t> pages = Allocate(a, 4);
+  gate_.Hold(true);
+  const std::vector<int32_t> read{pages[0], pages[1]};  // the call's page table lives on
+  absl::StatusOr<Admission> admitted = Admit(a, read);
+  ASSERT_TRUE(admitted.ok());
+  Answer answer;
+  Submit(*std::move(admitted), a, read, &answer);
+  gate_.AwaitRunning();
+  engine_->ExpireSessions(absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(observer_.reclaimed("gqa"), 4);
+  EXPECT_EQ(Pool().free_pages(), kGqaPages - 2);  // the running call's pages are still in use
+  ExpectBalanced();
+  gate_.Hold(false);
+  EXPECT_TRUE(engine_->WaitForIdle(absl::Now() + absl::Seconds(30)));
+  EXPECT_EQ(Pool().free_pages(), kGqaPages);
+  EXPECT_EQ(observer_.events("gqa").back(), PageEvent::kUnpinned);
+  ExpectBalanced();
+}
+
+TEST_F(EngineTest, DestroyingTheEngineEndsQueuedCallsAndReleasesThem) {
+  BatchingOptions batching;
+  batching.max_queue_delay = absl::InfiniteDuration();  // a lone call waits for company forever
+  batching.max_batch_requests = 2;
+  Start(batching);
+  const Caller a = Open();
+  const std::vector<int32_t> pages = Allocate(a, 2);
+  absl::StatusOr<Admission> admitted = Admit(a, pages, /*append=*/true);
+  ASSERT_TRUE(admitted.ok());
+  absl::Status status;
+  int pinned_on_answer = -1;
+  const PagePool* pool = &Pool().pages();
+  engine_->Submit(*std::move(admitted), absl::InfiniteFuture(), nullptr,
+                  [&](const absl::Status& st, const CallReport&) {
+                    status = st;
+                    pinned_on_answer = pool->pinned_pages();
+                  });
+  engine_.reset();
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable);
+  EXPECT_EQ(pinned_on_answer, 0);
+  EXPECT_EQ(gate_.Launches(), 0);
+}
+
+// AllocatePages racing CloseSession and lease expiry used to lose pages for good: the quota was
+// charged and the session could close before the pages were allocated to it, so they belonged to
+// a session that no longer existed. Now the two happen under one lock: whatever the interleaving,
+// a closed session owns nothing and the pool balances.
+TEST_F(EngineTest, AllocationRacingCloseAndExpiryLosesNoPage) {
+  constexpr int kRounds = 200;
+  constexpr int kAllocators = 3;
+  for (int round = 0; round < kRounds; ++round) {
+    const bool expire = round % 2 == 1;
+    const OpenedSession s = engine_->OpenSession(absl::Seconds(1), 0);
+    const Caller who{s.handle, ""};
+    absl::Notification go;
+    std::vector<std::thread> allocators;
+    for (int t = 0; t < kAllocators; ++t) {
+      allocators.emplace_back([&, t] {
+        go.WaitForNotification();
+        const std::string pool = t % 2 == 0 ? "gqa" : "mla";
+        // Allocate and free until the session is gone.
+        for (;;) {
+          absl::StatusOr<std::vector<int32_t>> ids = engine_->AllocatePages(pool, who, 1);
+          if (!ids.ok()) {
+            ASSERT_TRUE(absl::IsNotFound(ids.status()) || absl::IsResourceExhausted(ids.status()))
+                << ids.status();
+            if (absl::IsNotFound(ids.status())) return;
+            continue;
+          }
+          if (absl::Status st = engine_->FreePages(pool, who, *ids).status(); !st.ok()) {
+            // Closed in between: the close released the pages instead.
+            ASSERT_TRUE(absl::IsNotFound(st)) << st;
+            return;
+          }
+        }
+      });
+    }
+    std::thread closer([&] {
+      go.WaitForNotification();
+      if (expire) {
+        engine_->ExpireSessions(absl::Now() + absl::Seconds(2));
+      } else {
+        ASSERT_TRUE(engine_->CloseSession(who.session).ok());
+      }
+    });
+    go.Notify();
+    closer.join();
+    for (auto& t : allocators) t.join();
+    for (const auto& pool : engine_->pools()) {
+      ASSERT_EQ(pool->pages().pages_of(s.id), 0)
+          << "round " << round << ", pool " << pool->geometry.name;
+      ASSERT_EQ(pool->free_pages(), pool->total_pages()) << "round " << round;
+    }
+  }
+  ExpectBalanced();
+}
+
+}  // namespace
+}  // namespace attn
