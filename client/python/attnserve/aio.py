@@ -56,8 +56,10 @@ class AsyncClient:
         session: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        wait_for_ready: bool = True,
     ) -> None:
         self._address = address
+        self._wait_for_ready = wait_for_ready
         self._session = session
         # A bearer token goes with every call (servers configured with access_tokens need one).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -218,7 +220,10 @@ class AsyncClient:
         while True:
             try:
                 response = await method(
-                    request, timeout=attempts.remaining(), metadata=self._metadata
+                    request,
+                    timeout=attempts.remaining(),
+                    metadata=self._metadata,
+                    wait_for_ready=self._wait_for_ready,
                 )
             except grpc.RpcError as e:
                 await asyncio.sleep(attempts.wait_after(e))

@@ -1,7 +1,8 @@
 """Synchronous client of attnserve.v1.AttentionService (AsyncClient in aio.py is its asyncio twin).
 
 Every call carries a deadline (the client's default timeout unless one is given; it covers the
-retries too), send and receive message limits are raised to max_message_bytes (gRPC's default of
+retries too, and waiting for a server that is not reachable yet: wait_for_ready), send and
+receive message limits are raised to max_message_bytes (gRPC's default of
 4 MiB is too small for prefill batches), and failed attempts are retried as attnserve.retry
 describes. Server errors surface as AttnError subclasses (attnserve.errors).
 """
@@ -49,7 +50,10 @@ class Client:
     (None: never retry). session: a session handle every call names (open_session() sets one).
     credentials: grpc channel credentials for TLS (e.g. grpc.ssl_channel_credentials(root_ca,
     client_key, client_cert) for mutual TLS); None: plaintext. token: a bearer token sent with
-    every call.
+    every call. wait_for_ready: an attempt made while the server cannot be reached (not started
+    yet, restarting) waits for the connection until its deadline instead of failing at once
+    with Unavailable (gRPC's wait-for-ready; nothing is sent before the connection is up, so
+    this is safe for every method); False fails fast, e.g. to try another server.
     """
 
     def __init__(
@@ -62,8 +66,10 @@ class Client:
         session: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        wait_for_ready: bool = True,
     ) -> None:
         self._address = address
+        self._wait_for_ready = wait_for_ready
         self._session = session
         # A bearer token goes with every call (servers configured with access_tokens need one).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -236,7 +242,12 @@ class Client:
         request = with_session(request, self._session)
         while True:
             try:
-                response = method(request, timeout=attempts.remaining(), metadata=self._metadata)
+                response = method(
+                    request,
+                    timeout=attempts.remaining(),
+                    metadata=self._metadata,
+                    wait_for_ready=self._wait_for_ready,
+                )
             except grpc.RpcError as e:
                 time.sleep(attempts.wait_after(e))
                 continue
