@@ -276,6 +276,17 @@ class Client:
                 if not self._add_arena(need, timeout):
                     return StagedPageTable(table)
 
+    def register_region(
+        self, request: pb.RegisterRegionRequest, *, timeout: float | None = None
+    ) -> pb.RegionInfo:
+        """Registers memory the caller manages itself (its header written: attnserve.regions);
+        the transports register their own arenas. Not retried on Unavailable."""
+        return (self._invoke(REGISTER_REGION, request, timeout)).region
+
+    def unregister_region(self, name: str, *, timeout: float | None = None) -> None:
+        """Unregisters a region of the session (FailedPrecondition while a call uses it)."""
+        self._invoke(UNREGISTER_REGION, pb.UnregisterRegionRequest(name=name), timeout)
+
     def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
         """The regions the server holds for the client's session."""
         return self._invoke(LIST_REGIONS, pb.ListRegionsRequest(), timeout)

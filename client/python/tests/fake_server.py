@@ -248,6 +248,11 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
             arrays["kv_indices"],
             last if last.size else None,
         )
+        q_message = self._tensor(request, "q", context)
+        if request.HasField("output_to"):  # checked before anything changes, as attnserve does
+            self._slice(request, request.output_to, 2 * int(np.prod(q_message.shape)), context)
+        if request.return_lse and request.HasField("lse_to"):
+            self._slice(request, request.lse_to, 4 * int(np.prod(q_message.shape[:2])), context)
         fields = {"k": "k_new", "v": "v_new", "ckv": "ckv_new", "kpe": "kpe_new"}
         new = {
             f: unpack_tensor(self._tensor(request, arg, context))
@@ -256,7 +261,7 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
         }
         if new:
             pool.mirror.append(request.layer, table, new)
-        q = unpack_tensor(self._tensor(request, "q", context))
+        q = unpack_tensor(q_message)
         if pool.info.kind == pb.POOL_KIND_MLA:
             q_pe = unpack_tensor(self._tensor(request, "q_pe", context))
             out, lse = mla_reference(pool.mirror, request.layer, table, q, q_pe, request.sm_scale)
