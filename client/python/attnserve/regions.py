@@ -24,6 +24,7 @@ that only this user (and root) can open them. What survives a crash:
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import os
 import re
@@ -250,7 +251,7 @@ class SharedMemoryArena(Arena):
     def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         """A numpy view of bytes [offset, offset + size of shape x dtype) of the arena."""
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         end = offset + count * dtype.itemsize
         if offset < 0 or end > self.size:
             raise ValueError(f"[{offset}, {end}) lies outside the arena of {self.size} bytes")

@@ -26,6 +26,7 @@ the same arrays in each. Over "bytes" it sends the arrays, so the same code runs
 from __future__ import annotations
 
 import ipaddress
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -420,7 +421,8 @@ class Transport:
         generation = self.generation
         kinds = Kinds() if as_bytes else self.kinds
         where = {name: _placement(value, kinds) for name, value in tensors.items()}
-        q_shape = _shape(tensors.get("q"))
+        shapes = {name: _shape(value) for name, value in tensors.items()}
+        q_shape = shapes.get("q")
         out_where = None
         if q_shape is not None and len(q_shape) == 3:
             cuda = [w for w in where.values() if w != "shm" and w is not None]
@@ -429,10 +431,10 @@ class Transport:
         sizes: dict[Any, int] = {}
         for name, w in where.items():
             if w is not None:
-                sizes[w] = sizes.get(w, 0) + align(_bf16_bytes(tensors[name]))
+                sizes[w] = sizes.get(w, 0) + align(2 * math.prod(shapes[name]))  # type: ignore[arg-type]
         if out_where is not None:
             total_q, heads = q_shape[0], q_shape[1]  # type: ignore[index]
-            out_bytes = align(2 * int(np.prod(q_shape)))
+            out_bytes = align(2 * math.prod(q_shape))  # type: ignore[arg-type]
             if request.return_lse:
                 out_bytes += align(4 * total_q * heads)
             sizes[out_where] = sizes.get(out_where, 0) + out_bytes
@@ -449,19 +451,20 @@ class Transport:
                     getattr(request, name).CopyFrom(tensor_message(value))
                     continue
                 block = blocks[w]
-                offset = block.carve(_bf16_bytes(value))
-                _write_bf16(block.arena, offset, value)
+                shape = shapes[name]
+                offset = block.carve(2 * math.prod(shape))  # type: ignore[arg-type]
+                _write_bf16(block.arena, offset, value, shape)  # type: ignore[arg-type]
                 if w != "shm":
                     synchronize.add(w[1])
                 tensor = getattr(request, name)
                 tensor.dtype = pb.DTYPE_BF16
                 del tensor.shape[:]
-                tensor.shape.extend(_shape(value))  # type: ignore[arg-type]
+                tensor.shape.extend(shape)  # type: ignore[arg-type]
                 tensor.region.name = block.arena.name
                 tensor.region.offset = offset
             if out_where is not None:
                 block = blocks[out_where]
-                out = _Output(block.arena, block.carve(2 * int(np.prod(q_shape))), q_shape, None)  # type: ignore[arg-type]
+                out = _Output(block.arena, block.carve(2 * math.prod(q_shape)), q_shape, None)  # type: ignore[arg-type]
                 request.output_to.name = block.arena.name
                 request.output_to.offset = out.offset
                 if request.return_lse:
@@ -506,13 +509,8 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(int(d) for d in (value.shape if hasattr(value, "shape") else np.shape(value)))
 
 
-def _bf16_bytes(value: Any) -> int:
-    return 2 * int(np.prod(_shape(value), dtype=np.int64))
-
-
-def _write_bf16(arena: Arena, offset: int, value: Any) -> None:
-    """Writes a tensor argument as bf16 at offset of the arena."""
-    shape = _shape(value)
+def _write_bf16(arena: Arena, offset: int, value: Any, shape: tuple[int, ...]) -> None:
+    """Writes a tensor argument of that shape as bf16 at offset of the arena."""
     if isinstance(arena, SharedMemoryArena):
         dst = arena.array(offset, shape, np.uint16)  # type: ignore[arg-type]
         if is_torch_tensor(value):
