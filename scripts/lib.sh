@@ -42,7 +42,7 @@ setup_venv() {
   fi
   log "installing the Python client into $VENV"
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
-  "$VENV/bin/pip" install -q "$ROOT/client/python" pytest ruff
+  "$VENV/bin/pip" install -q "$ROOT/client/python[fast]" pytest ruff
 }
 
 build() {

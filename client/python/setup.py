@@ -7,13 +7,16 @@ attnserve/v1/{*_pb2.py,*_pb2.pyi,*_pb2_grpc.py,__init__.py}:
   `python setup.py build_py --inplace` run in client/python (development).
 
 The proto root is ../../proto relative to this file, or $ATTNSERVE_PROTO_DIR when set.
-The runtime requirements are pinned to at least the grpcio/protobuf versions the stubs were
-generated with, because generated code refuses to import under an older runtime.
+The runtime requirements are at least the grpcio/protobuf versions the generated code demands
+(runtime_requirements), because generated code refuses to import under an older runtime; the
+generator is pinned in pyproject.toml so that those floors stay low.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import tempfile
 from pathlib import Path
 
 from setuptools import setup
@@ -60,28 +63,50 @@ def generate_stubs(out_dir: Path) -> list[Path]:
 
 
 def runtime_requirements() -> list[str]:
-    """grpcio/protobuf at least as new as the code generator, plus numpy."""
-    from grpc_tools import grpc_version
+    """grpcio/protobuf at least as new as the generated code demands, plus numpy.
 
-    return [
-        f"grpcio>={grpc_version.VERSION}",
-        f"protobuf>={protobuf_gencode_version()}",
-        "numpy>=1.22",
-    ]
+    The floors are read from the code the generator writes, so they hold for whichever
+    grpcio-tools built the package: protobuf >= the "Protobuf Python Version" protoc stamps into
+    *_pb2.py (newer runtimes accept older generated code; protobuf's runtime_version check
+    rejects the reverse), and grpcio >= the GRPC_GENERATED_VERSION the gRPC plugin checks at
+    import (grpcio-tools 1.63 and later) or, without that check, the plugin's own minor release.
+    pyproject.toml pins the generator per Python version so the floors stay low; check_floor.sh
+    installs the package beside exactly these versions and runs the unit tests there.
+    """
+    with tempfile.TemporaryDirectory() as scratch:
+        stubs = generate_stubs(Path(scratch))
+        return [
+            f"grpcio>={grpcio_floor(stubs)}",
+            f"protobuf>={protobuf_floor(stubs)}",
+            "numpy>=1.22",
+        ]
 
 
-def protobuf_gencode_version() -> str:
-    """The lowest protobuf runtime grpcio-tools declares for the code its protoc generates."""
-    from importlib.metadata import requires
+def protobuf_floor(stubs: list[Path]) -> str:
+    """The newest "Protobuf Python Version" stamped into the generated *_pb2.py files."""
+    stamp = re.compile(r"^# Protobuf Python Version: (\d+\.\d+\.\d+)", re.MULTILINE)
+    versions = [m.group(1) for p in stubs if p.name.endswith("_pb2.py")
+                for m in [stamp.search(p.read_text())] if m]  # fmt: skip
+    if not versions:
+        raise RuntimeError("attnserve: protoc wrote no 'Protobuf Python Version' stamp")
+    return max(versions, key=_version_key)
 
-    for req in requires("grpcio-tools") or []:
-        name, _, spec = req.split(";")[0].partition("protobuf")
-        if name.strip():
-            continue
-        for clause in spec.split(","):
-            if clause.strip().startswith(">="):
-                return clause.strip()[2:]
-    return "4.21"
+
+def grpcio_floor(stubs: list[Path]) -> str:
+    """The grpcio the generated *_pb2_grpc.py files check for, else the plugin's minor release."""
+    from importlib.metadata import version
+
+    check = re.compile(r"^GRPC_GENERATED_VERSION = '(\d+\.\d+\.\d+)'", re.MULTILINE)
+    versions = [m.group(1) for p in stubs if p.name.endswith("_pb2_grpc.py")
+                for m in [check.search(p.read_text())] if m]  # fmt: skip
+    if versions:
+        return max(versions, key=_version_key)
+    major, minor = version("grpcio-tools").split(".")[:2]
+    return f"{major}.{minor}.0"
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
 
 
 class BuildPyWithStubs(build_py):

@@ -79,10 +79,10 @@ def test_tls_serves_trusting_clients_only(pki, private) -> None:
     with Client(localhost(server), credentials=credentials(pki), retry=None) as good:
         assert good.server_info().pools[0].name == "p"
     with Client(localhost(server), credentials=credentials(pki, "other_ca"), retry=None,
-                timeout=5) as wrong_ca:  # fmt: skip
+                timeout=5, wait_for_ready=False) as wrong_ca:  # fmt: skip
         with pytest.raises(Unavailable):
             wrong_ca.server_info()
-    with Client(localhost(server), retry=None, timeout=5) as plaintext:
+    with Client(localhost(server), retry=None, timeout=5, wait_for_ready=False) as plaintext:
         with pytest.raises(Unavailable):
             plaintext.server_info()
 
@@ -96,7 +96,7 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki, private) -> None
         assert good.allocate_pages(2, pool="p")
     for who in (None, "rogue"):  # no certificate; a certificate of another CA
         with Client(localhost(server), credentials=credentials(pki, client=who), retry=None,
-                    timeout=5) as bad:  # fmt: skip
+                    timeout=5, wait_for_ready=False) as bad:  # fmt: skip
             with pytest.raises(Unavailable):
                 bad.server_info()
 

@@ -281,7 +281,7 @@ def test_sigterm_drains_accepted_calls_and_exits_zero(private) -> None:
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     assert server.health() == 2, "health must be NOT_SERVING while draining"
-    with Client(server.address) as late:
+    with Client(server.address, wait_for_ready=False) as late:
         with pytest.raises(AttnError) as refused:
             late.allocate_pages(1, pool=POOL)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE

@@ -28,6 +28,7 @@ type Client struct {
 	stub    pb.AttentionServiceClient
 	opts    options
 	calls   []grpc.CallOption
+	plane   *dataPlane // the session's registered memory (dataplane.go)
 }
 
 type options struct {
@@ -37,6 +38,10 @@ type options struct {
 	creds           credentials.TransportCredentials
 	token           string
 	dialOptions     []grpc.DialOption
+	transport       Transport
+	arenaBytes      int64
+	shmPrefix       string
+	shmMode         uint32
 }
 
 // Option configures a Client.
@@ -75,6 +80,22 @@ func (t bearerToken) GetRequestMetadata(context.Context, ...string) (map[string]
 
 func (bearerToken) RequireTransportSecurity() bool { return false }
 
+// WithTransport sets how calls carry their tensors, page tables and outputs (default
+// TransportAuto: shared memory toward unix: and loopback servers that allow it; see regions.go).
+func WithTransport(t Transport) Option { return func(o *options) { o.transport = t } }
+
+// WithArenaBytes sets the size of the client's shared-memory arenas (default 64 MiB; a call
+// that needs more gets a larger one).
+func WithArenaBytes(n int64) Option { return func(o *options) { o.arenaBytes = n } }
+
+// WithShmPrefix sets the prefix of the client's shared-memory names (default "/attnserve": the
+// server opens only names under its DataPlaneConfig.shm_name_prefix).
+func WithShmPrefix(prefix string) Option { return func(o *options) { o.shmPrefix = prefix } }
+
+// WithShmMode sets the file mode of the client's shared-memory objects (default 0600: this
+// user only; 0660 and a shared group for a server running as another user).
+func WithShmMode(mode uint32) Option { return func(o *options) { o.shmMode = mode } }
+
 // WithDialOptions adds gRPC dial options (interceptors, keepalive, ...), applied after the
 // client's own.
 func WithDialOptions(opts ...grpc.DialOption) Option {
@@ -86,6 +107,10 @@ func newOptions(opts []Option) options {
 		timeout:         DefaultTimeout,
 		maxMessageBytes: DefaultMaxMessageBytes,
 		retry:           DefaultRetryPolicy(),
+		transport:       TransportAuto,
+		arenaBytes:      DefaultArenaBytes,
+		shmPrefix:       DefaultShmPrefix,
+		shmMode:         defaultShmMode,
 	}
 	for _, opt := range opts {
 		opt(&o)
@@ -115,6 +140,7 @@ func Dial(address string, opts ...Option) (*Client, error) {
 	}
 	c := NewFromConn(conn, opts...)
 	c.conn, c.addr = conn, address
+	c.plane = newDataPlane(c.opts, address)
 	return c, nil
 }
 
@@ -129,11 +155,19 @@ func NewFromConn(conn grpc.ClientConnInterface, opts ...Option) *Client {
 	if o.token != "" {
 		calls = append(calls, grpc.PerRPCCredentials(bearerToken(o.token)))
 	}
-	return &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls}
+	c := &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls}
+	target := ""
+	if cc, ok := conn.(*grpc.ClientConn); ok {
+		target = cc.Target()
+	}
+	c.plane = newDataPlane(o, target)
+	return c
 }
 
-// Close closes the connection Dial opened (a no-op for NewFromConn and WithSession clients).
+// Close unregisters and unmaps the client's shared memory, then closes the connection Dial
+// opened (NewFromConn and WithSession clients leave the connection open).
 func (c *Client) Close() error {
+	c.releaseRegions(true)
 	if c.conn == nil {
 		return nil
 	}
@@ -238,21 +272,13 @@ func (c *Client) FreePages(ctx context.Context, pool string, pageIDs []int32) (i
 // Prefill appends the new K/V (when given), then runs causal paged attention (bottom-right
 // aligned mask) for every query row; req.Table.QOIndptr splits the rows into sequences.
 func (c *Client) Prefill(ctx context.Context, req *AttentionRequest) (*AttentionResult, error) {
-	p := req.PrefillProto()
-	if p.Session == "" {
-		p.Session = c.session
-	}
-	return c.PrefillProto(ctx, p)
+	return c.attend(ctx, req, true)
 }
 
 // Decode runs one query row per sequence (req.Q [batch, ...]) over all of its tokens, after
 // appending its K/V (when given) at position kv_len - 1.
 func (c *Client) Decode(ctx context.Context, req *AttentionRequest) (*AttentionResult, error) {
-	p := req.DecodeProto()
-	if p.Session == "" {
-		p.Session = c.session
-	}
-	return c.DecodeProto(ctx, p)
+	return c.attend(ctx, req, false)
 }
 
 // PrefillProto sends a ready-made wire request as is (with the client's deadline, retries and

@@ -148,6 +148,9 @@ func startFake(t *testing.T, f *fakeServer, opts ...Option) *Client {
 	pb.RegisterAttentionServiceServer(srv, f)
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
+	// These tests script the calls the server sees: bytes, so that no ServerInfo asks for the
+	// data plane first (dataplane_test.go tests the transports).
+	opts = append([]Option{WithTransport(TransportBytes)}, opts...)
 	c, err := Dial(lis.Addr().String(), opts...)
 	if err != nil {
 		t.Fatal(err)

@@ -63,6 +63,9 @@ func (c *Client) CloseSession(ctx context.Context, id string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
+	if id == c.session {
+		c.releaseRegions(false) // the session's regions went with it
+	}
 	return int(resp.GetFreedPages()), nil
 }
 
@@ -74,6 +77,7 @@ func (c *Client) WithSession(id string) *Client {
 	bound := *c
 	bound.session = id
 	bound.conn = nil
+	bound.plane = c.plane.fresh() // regions belong to a session
 	return &bound
 }
 

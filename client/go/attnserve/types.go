@@ -78,6 +78,17 @@ type ServerInfo struct {
 	// id and session handle from before is gone.
 	Epoch        uint64
 	DefaultLease time.Duration // lease of implicit sessions and of OpenSession without one
+	DataPlane    DataPlane
+}
+
+// DataPlane is which registered-memory kinds the server accepts, and the per-session limits
+// (attention.proto DataPlane). All zero on a server without them.
+type DataPlane struct {
+	SharedMemory             bool
+	CudaIPC                  bool
+	MaxRegionsPerSession     int
+	MaxRegionBytesPerSession int64
+	CudaPCIBusID             string // the server's GPU, for CUDA IPC callers
 }
 
 // Pool returns the pool with that name; "" selects the server's only pool (an error if there
@@ -108,6 +119,11 @@ func serverInfoFromProto(r *pb.GetServerInfoResponse) *ServerInfo {
 		MaxMessageBytes: r.GetMaxMessageBytes(),
 		Epoch:           r.GetEpoch(),
 		DefaultLease:    time.Duration(r.GetDefaultLeaseMs()) * time.Millisecond,
+	}
+	if d := r.GetDataPlane(); d != nil {
+		info.DataPlane = DataPlane{SharedMemory: d.GetSharedMemory(), CudaIPC: d.GetCudaIpc(),
+			MaxRegionsPerSession: int(d.GetMaxRegionsPerSession()), MaxRegionBytesPerSession: d.GetMaxRegionBytesPerSession(),
+			CudaPCIBusID: d.GetCudaPciBusId()}
 	}
 	for _, p := range r.GetPools() {
 		info.Pools = append(info.Pools, PoolInfo{
@@ -151,6 +167,9 @@ type AttentionRequest struct {
 
 	// Table is the page table after the append. Prefill sends Table.QOIndptr; Decode does not.
 	Table BatchCSR
+	// PageTable, when set, replaces Table: the call names it in shared memory when it is
+	// staged there (Client.StagePageTable), else sends its CSR.
+	PageTable *StagedPageTable
 	// SMScale is the softmax scale (nil: the server's default 1/sqrt(D) for GQA; MLA needs one).
 	SMScale *float32
 	// ReturnLSE asks for the base-2 log-sum-exp of every row and head.
@@ -165,20 +184,22 @@ func SMScale(v float32) *float32 { return &v }
 // PrefillProto is the request as the wire PrefillRequest.
 func (r *AttentionRequest) PrefillProto() *pb.PrefillRequest {
 	q := &pb.PrefillRequest{
-		Pool:          r.Pool,
-		Layer:         int32(r.Layer),
-		Q:             optTensor(r.Q),
-		QPe:           optTensor(r.QPE),
-		KNew:          optTensor(r.KNew),
-		VNew:          optTensor(r.VNew),
-		CkvNew:        optTensor(r.CKVNew),
-		KpeNew:        optTensor(r.KPENew),
-		QoIndptr:      r.Table.QOIndptr,
-		KvIndptr:      r.Table.KVIndptr,
-		KvIndices:     r.Table.KVIndices,
-		KvLastPageLen: r.Table.KVLastPageLen,
-		ReturnLse:     r.ReturnLSE,
-		Session:       r.Session,
+		Pool:      r.Pool,
+		Layer:     int32(r.Layer),
+		Q:         optTensor(r.Q),
+		QPe:       optTensor(r.QPE),
+		KNew:      optTensor(r.KNew),
+		VNew:      optTensor(r.VNew),
+		CkvNew:    optTensor(r.CKVNew),
+		KpeNew:    optTensor(r.KPENew),
+		ReturnLse: r.ReturnLSE,
+		Session:   r.Session,
+	}
+	if ref, table := r.table(true); ref != nil {
+		q.PageTable = ref
+	} else {
+		q.QoIndptr, q.KvIndptr, q.KvIndices, q.KvLastPageLen =
+			table.QOIndptr, table.KVIndptr, table.KVIndices, table.KVLastPageLen
 	}
 	if r.SMScale != nil {
 		q.SmScale = SMScale(*r.SMScale)
@@ -186,22 +207,39 @@ func (r *AttentionRequest) PrefillProto() *pb.PrefillRequest {
 	return q
 }
 
+// table is the request's page table: a PageTableRef of the prefill or decode layout when it
+// has a staged PageTable, else the CSR arrays to send.
+func (r *AttentionRequest) table(prefill bool) (*pb.PageTableRef, BatchCSR) {
+	if r.PageTable == nil {
+		return nil, r.Table
+	}
+	if !r.PageTable.Staged() {
+		return nil, r.PageTable.CSR
+	}
+	if prefill {
+		return r.PageTable.prefill, r.PageTable.CSR
+	}
+	return r.PageTable.decode, r.PageTable.CSR
+}
+
 // DecodeProto is the request as the wire DecodeRequest (Table.QOIndptr is not part of it).
 func (r *AttentionRequest) DecodeProto() *pb.DecodeRequest {
 	q := &pb.DecodeRequest{
-		Pool:          r.Pool,
-		Layer:         int32(r.Layer),
-		Q:             optTensor(r.Q),
-		QPe:           optTensor(r.QPE),
-		KNew:          optTensor(r.KNew),
-		VNew:          optTensor(r.VNew),
-		CkvNew:        optTensor(r.CKVNew),
-		KpeNew:        optTensor(r.KPENew),
-		KvIndptr:      r.Table.KVIndptr,
-		KvIndices:     r.Table.KVIndices,
-		KvLastPageLen: r.Table.KVLastPageLen,
-		ReturnLse:     r.ReturnLSE,
-		Session:       r.Session,
+		Pool:      r.Pool,
+		Layer:     int32(r.Layer),
+		Q:         optTensor(r.Q),
+		QPe:       optTensor(r.QPE),
+		KNew:      optTensor(r.KNew),
+		VNew:      optTensor(r.VNew),
+		CkvNew:    optTensor(r.CKVNew),
+		KpeNew:    optTensor(r.KPENew),
+		ReturnLse: r.ReturnLSE,
+		Session:   r.Session,
+	}
+	if ref, table := r.table(false); ref != nil {
+		q.PageTable = ref
+	} else {
+		q.KvIndptr, q.KvIndices, q.KvLastPageLen = table.KVIndptr, table.KVIndices, table.KVLastPageLen
 	}
 	if r.SMScale != nil {
 		q.SmScale = SMScale(*r.SMScale)

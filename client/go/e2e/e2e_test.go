@@ -227,7 +227,12 @@ func TestMLAChunkedPrefillAndDecode(t *testing.T) {
 }
 
 func testPrefillAndDecode(t *testing.T, pool string, prompts []int, chunk, steps int) {
-	c := live(t)
+	testPrefillAndDecodeOn(t, live(t), pool, prompts, chunk, steps)
+}
+
+// testPrefillAndDecodeOn runs chunked prefill (K/V appended, every layer) then decode steps
+// through c, checking every result against the reference and that every page comes back.
+func testPrefillAndDecodeOn(t *testing.T, c *attnserve.Client, pool string, prompts []int, chunk, steps int) {
 	before := freePages(t, c, pool)
 	s := newSession(t, c, pool, 1)
 	ids := make([]string, len(prompts))

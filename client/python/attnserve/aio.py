@@ -18,24 +18,30 @@ from attnserve.calls import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT_S,
     FREE_PAGES,
+    LIST_REGIONS,
     OPEN_SESSION,
     PREFILL,
+    REGISTER_REGION,
     SERVER_INFO,
+    UNREGISTER_REGION,
     AttentionResult,
     Rpc,
     T,
+    TableLike,
     TensorLike,
     allocate_pages_request,
+    attention_request,
     channel_options,
-    decode_request,
     free_pages_request,
     open_session_request,
-    prefill_request,
     select_pool,
     with_session,
 )
+from attnserve.errors import AttnError
 from attnserve.pages import BatchCsr
+from attnserve.regions import DEFAULT_ARENA_BYTES, DEFAULT_SHM_PREFIX
 from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
+from attnserve.transport import NeedArena, StagedPageTable, Transport, plane_may_free
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
@@ -56,8 +62,18 @@ class AsyncClient:
         session: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        wait_for_ready: bool = True,
+        transport: str = "auto",
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        shm_prefix: str = DEFAULT_SHM_PREFIX,
+        shm_mode: int = 0o600,
     ) -> None:
         self._address = address
+        self._wait_for_ready = wait_for_ready
+        self._transport = Transport(
+            transport, address, arena_bytes=arena_bytes, shm_prefix=shm_prefix, shm_mode=shm_mode
+        )
+        self._arena_lock = asyncio.Lock()
         self._session = session
         # A bearer token goes with every call (servers configured with access_tokens need one).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -92,6 +108,7 @@ class AsyncClient:
         reclaimed when no call renews it for lease_s (server default when None); max_pages is
         its page quota (server default when None)."""
         opened = await self._invoke(OPEN_SESSION, open_session_request(lease_s, max_pages), timeout)
+        await self._release_regions(unregister=True)  # they belonged to the previous session
         self._session = opened.session
         return opened
 
@@ -101,10 +118,13 @@ class AsyncClient:
             raise ValueError("this client has no open session")
         request = pb.CloseSessionRequest(session=self._session)
         freed = await self._invoke(CLOSE_SESSION, request, timeout)
+        await self._release_regions(unregister=False)  # the session's regions went with it
         self._session = None
         return freed
 
     async def close(self) -> None:
+        """Unregisters and frees the client's regions, then closes the channel."""
+        await self._release_regions(unregister=True)
         await self._channel.close(grace=None)
 
     async def __aenter__(self) -> AsyncClient:
@@ -137,7 +157,7 @@ class AsyncClient:
         self,
         layer: int,
         q: TensorLike,
-        table: BatchCsr,
+        table: TableLike,
         *,
         pool: str = "",
         q_pe: TensorLike | None = None,
@@ -150,7 +170,8 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AttentionResult:
         """Appends the new K/V (when given), then runs causal paged attention (see Client)."""
-        request = prefill_request(
+        request, tensors = attention_request(
+            PREFILL,
             layer,
             q,
             table,
@@ -163,13 +184,13 @@ class AsyncClient:
             sm_scale=sm_scale,
             return_lse=return_lse,
         )
-        return await self.call_prefill(request, timeout=timeout)
+        return await self._attend(PREFILL, request, tensors, timeout)
 
     async def decode(
         self,
         layer: int,
         q: TensorLike,
-        table: BatchCsr,
+        table: TableLike,
         *,
         pool: str = "",
         q_pe: TensorLike | None = None,
@@ -182,7 +203,8 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> AttentionResult:
         """One query row per sequence (see Client.decode)."""
-        request = decode_request(
+        request, tensors = attention_request(
+            DECODE,
             layer,
             q,
             table,
@@ -195,7 +217,7 @@ class AsyncClient:
             sm_scale=sm_scale,
             return_lse=return_lse,
         )
-        return await self.call_decode(request, timeout=timeout)
+        return await self._attend(DECODE, request, tensors, timeout)
 
     async def call_prefill(
         self, request: pb.PrefillRequest, *, timeout: float | None = None
@@ -209,6 +231,100 @@ class AsyncClient:
         """Sends a ready-made DecodeRequest as is."""
         return await self._invoke(DECODE, request, timeout)
 
+    # ---- registered memory (attnserve.transport)
+
+    @property
+    def transport(self) -> Transport:
+        """The client's data plane: its transport setting, arenas and what they hold."""
+        return self._transport
+
+    async def stage_page_table(
+        self, table: BatchCsr, *, timeout: float | None = None
+    ) -> StagedPageTable:
+        """Writes a page table into shared memory once, for the calls of one step (every layer):
+        pass the result as their `table`, and release() it (or use `with`) after the step.
+        Without shared memory it holds the arrays, which then travel in each call."""
+        plane = self._transport
+        if plane.needs_server_info:
+            plane.resolve(await self.server_info(timeout=timeout))
+        while True:
+            try:
+                return plane.stage_page_table(table)
+            except NeedArena as need:
+                if not await self._add_arena(need, timeout):
+                    return StagedPageTable(table)
+
+    async def register_region(
+        self, request: pb.RegisterRegionRequest, *, timeout: float | None = None
+    ) -> pb.RegionInfo:
+        """Registers memory the caller manages itself (its header written: attnserve.regions);
+        the transports register their own arenas. Not retried on Unavailable."""
+        return (await self._invoke(REGISTER_REGION, request, timeout)).region
+
+    async def unregister_region(self, name: str, *, timeout: float | None = None) -> None:
+        """Unregisters a region of the session (FailedPrecondition while a call uses it)."""
+        await self._invoke(UNREGISTER_REGION, pb.UnregisterRegionRequest(name=name), timeout)
+
+    async def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
+        """The regions the server holds for the client's session."""
+        return await self._invoke(LIST_REGIONS, pb.ListRegionsRequest(), timeout)
+
+    async def _attend(
+        self, rpc: Rpc[AttentionResult], request: object, tensors: dict, timeout: float | None
+    ) -> AttentionResult:
+        """Stages the tensors (transport), sends the call, reads the outputs back."""
+        plane = self._transport
+        if plane.needs_server_info:
+            plane.resolve(await self.server_info(timeout=timeout))
+        as_bytes = False
+        while True:
+            try:
+                staged = plane.stage_call(request, tensors, as_bytes=as_bytes)
+                break
+            except NeedArena as need:
+                as_bytes = not await self._add_arena(need, timeout)
+        try:
+            send = self.call_prefill if rpc is PREFILL else self.call_decode
+            result = await send(staged.request, timeout=timeout)
+        except BaseException as e:
+            staged.abandon(e)
+            raise
+        return staged.finish(result)
+
+    async def _add_arena(self, need: NeedArena, timeout: float | None) -> bool:
+        """Creates and registers the arena staging asked for (unless another call did
+        meanwhile); False when this call should go as bytes instead (attnserve.transport)."""
+        async with self._arena_lock:
+            plane = self._transport
+            if need.generation != plane.generation:
+                return True  # arenas changed since: stage again
+            try:
+                arena = plane.create_arena(need)
+            except (OSError, RuntimeError, ValueError) as e:
+                return plane.registration_failed(need.where, e)
+            try:
+                await self._invoke(REGISTER_REGION, arena.register_request(), timeout)
+            except AttnError as e:
+                arena.close()
+                return plane.registration_failed(need.where, e)
+            except BaseException:
+                arena.close()
+                raise
+            plane.add_arena(need.where, arena)
+            return True
+
+    async def _release_regions(self, *, unregister: bool) -> None:
+        """Forgets the arenas, unregistering them first (unless the session went with them)."""
+        for arena in self._transport.take_arenas():
+            if unregister:
+                request = pb.UnregisterRegionRequest(name=arena.name)
+                try:
+                    await self._invoke(UNREGISTER_REGION, request, 5.0)
+                except AttnError as e:
+                    if not plane_may_free(arena, e):
+                        continue  # still in use by the server: leave the memory alone
+            arena.close()
+
     async def _invoke(self, rpc: Rpc[T], request: object, timeout: float | None) -> T:
         """Client._invoke with asyncio waits."""
         budget = self._timeout if timeout is None else timeout
@@ -218,7 +334,10 @@ class AsyncClient:
         while True:
             try:
                 response = await method(
-                    request, timeout=attempts.remaining(), metadata=self._metadata
+                    request,
+                    timeout=attempts.remaining(),
+                    metadata=self._metadata,
+                    wait_for_ready=self._wait_for_ready,
                 )
             except grpc.RpcError as e:
                 await asyncio.sleep(attempts.wait_after(e))

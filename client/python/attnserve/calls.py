@@ -16,8 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 from attnserve.pages import BatchCsr
-from attnserve.tensors import pack_tensor, unpack_tensor, wire_array
-from attnserve.torch_tensors import is_torch_tensor, pack_torch, tensor_to_torch
+from attnserve.tensors import bf16_to_float, pack_tensor, unpack_tensor, wire_array
+from attnserve.torch_tensors import _import_torch, is_torch_tensor, pack_torch, tensor_to_torch
+from attnserve.transport import TENSOR_FIELDS, StagedPageTable
 from attnserve.v1 import attention_pb2 as pb
 
 if TYPE_CHECKING:
@@ -74,9 +75,16 @@ class AttentionResult:
     lse: float32 numpy [total_q, H] base-2 log-sum-exp, or None when not requested.
     output_bits(): the bf16 output as uint16 bit patterns (exact, no conversion).
     output_torch() / lse_torch(): torch tensors, bf16 straight from the wire bits (needs torch).
+
+    Every accessor returns a copy the caller owns. When the server wrote the output into a
+    region (attnserve.transport), region_output / region_lse hold what was copied out of it
+    when the response arrived: numpy (uint16 bf16 bits, float32 lse) for shared memory, torch
+    tensors on the GPU for CUDA IPC, whose output_torch("cuda") involves no host copy.
     """
 
     response: pb.AttentionResponse = field(repr=False)
+    region_output: Any = field(default=None, repr=False)
+    region_lse: Any = field(default=None, repr=False)
 
     @classmethod
     def from_proto(cls, response: pb.AttentionResponse) -> AttentionResult:
@@ -84,10 +92,14 @@ class AttentionResult:
 
     @cached_property
     def output(self) -> np.ndarray:
-        return unpack_tensor(self.response.output)
+        if self.region_output is None:
+            return unpack_tensor(self.response.output)
+        return bf16_to_float(self._output_bits())
 
     @cached_property
     def lse(self) -> np.ndarray | None:
+        if self.region_lse is not None:
+            return _numpy(self.region_lse).copy()
         return unpack_tensor(self.response.lse) if self.response.HasField("lse") else None
 
     @property
@@ -96,17 +108,43 @@ class AttentionResult:
 
     def output_bits(self) -> np.ndarray:
         """The output as sent: uint16 bf16 bit patterns of its shape."""
-        return wire_array(self.response.output)
+        if self.region_output is None:
+            return wire_array(self.response.output)
+        return self._output_bits().copy()
 
     def output_torch(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The output as a torch.bfloat16 tensor on device (default CPU), bit-exact."""
-        return tensor_to_torch(self.response.output, device)
+        if self.region_output is None:
+            return tensor_to_torch(self.response.output, device)
+        return _torch_copy(self.region_output, device, bits=True)
 
     def lse_torch(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """The lse as a torch.float32 tensor on device, or None when not requested."""
+        if self.region_lse is not None:
+            return _torch_copy(self.region_lse, device, bits=False)
         if not self.response.HasField("lse"):
             return None
         return tensor_to_torch(self.response.lse, device)
+
+    def _output_bits(self) -> np.ndarray:
+        out = self.region_output
+        if isinstance(out, np.ndarray):
+            return out
+        return out.view(_import_torch().int16).cpu().numpy().view(np.uint16)
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return value if isinstance(value, np.ndarray) else value.cpu().numpy()
+
+
+def _torch_copy(value: Any, device: Any, *, bits: bool) -> torch.Tensor:
+    """A new torch tensor of a region output (numpy bf16 bits / float32, or a torch tensor)."""
+    torch = _import_torch()
+    if isinstance(value, np.ndarray):
+        t = torch.from_numpy(value.view(np.int16).copy() if bits else value.copy())
+        t = t.view(torch.bfloat16) if bits else t
+        return t if device is None else t.to(device)
+    return value.to("cpu" if device is None else device, copy=True)
 
 
 def _same(response: T) -> T:
@@ -121,6 +159,10 @@ DECODE: Rpc[AttentionResult] = Rpc("Decode", True, AttentionResult.from_proto)
 # Repeating OpenSession after a lost reply leaves an unused session, which its lease ends.
 OPEN_SESSION: Rpc[pb.OpenSessionResponse] = Rpc("OpenSession", True, _same)
 CLOSE_SESSION: Rpc[int] = Rpc("CloseSession", False, lambda r: r.freed_pages)
+# Registering again after a lost reply would fail with ALREADY_EXISTS: not retried.
+REGISTER_REGION: Rpc[pb.RegisterRegionResponse] = Rpc("RegisterRegion", False, _same)
+UNREGISTER_REGION: Rpc[pb.UnregisterRegionResponse] = Rpc("UnregisterRegion", False, _same)
+LIST_REGIONS: Rpc[list[pb.RegionInfo]] = Rpc("ListRegions", True, lambda r: list(r.regions))
 
 
 def open_session_request(lease_s: float | None, max_pages: int | None) -> pb.OpenSessionRequest:
@@ -139,10 +181,14 @@ def with_session(request: Any, session: str | None) -> Any:
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Send and receive limits raised from gRPC's 4 MiB (too small for prefill batches)."""
+    """Send and receive limits raised from gRPC's 4 MiB (too small for prefill batches), and
+    reconnects after 0.1 s growing to 2 s instead of gRPC's 1 s growing to 120 s, so that a call
+    waiting for a server that is starting (wait_for_ready) gets through soon after it is up."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
 
 
@@ -166,61 +212,77 @@ def free_pages_request(page_ids: IndexLike, pool: str) -> pb.FreePagesRequest:
     return pb.FreePagesRequest(pool=pool, page_ids=_ints(page_ids, "page_ids"))
 
 
-def prefill_request(layer: int, q: TensorLike, table: BatchCsr, **inputs: Any) -> pb.PrefillRequest:
-    """A PrefillRequest; table.qo_indptr splits the query rows. inputs: the keyword arguments
-    of Client.prefill (pool, q_pe, k_new, v_new, ckv_new, kpe_new, sm_scale, return_lse)."""
-    request = pb.PrefillRequest(qo_indptr=_ints(table.qo_indptr, "qo_indptr"))
-    _fill_attention_request(request, layer, q, table, **inputs)
+# A page table argument: CSR arrays, or a table staged in shared memory for a step's calls.
+TableLike = BatchCsr | StagedPageTable
+
+
+def prefill_request(
+    layer: int, q: TensorLike, table: TableLike, **inputs: Any
+) -> pb.PrefillRequest:
+    """A PrefillRequest with every tensor in the message; table.qo_indptr splits the query
+    rows. inputs: the keyword arguments of Client.prefill (pool, q_pe, k_new, v_new, ckv_new,
+    kpe_new, sm_scale, return_lse)."""
+    request, tensors = attention_request(PREFILL, layer, q, table, **inputs)
+    fill_tensors(request, tensors)
     return request
 
 
-def decode_request(layer: int, q: TensorLike, table: BatchCsr, **inputs: Any) -> pb.DecodeRequest:
+def decode_request(layer: int, q: TensorLike, table: TableLike, **inputs: Any) -> pb.DecodeRequest:
     """A DecodeRequest: one query row per sequence, table.qo_indptr is not sent. inputs as in
     prefill_request."""
-    request = pb.DecodeRequest()
-    _fill_attention_request(request, layer, q, table, **inputs)
+    request, tensors = attention_request(DECODE, layer, q, table, **inputs)
+    fill_tensors(request, tensors)
     return request
 
 
-def _fill_attention_request(
-    request: pb.PrefillRequest | pb.DecodeRequest,
+def attention_request(
+    rpc: Rpc[Any],
     layer: int,
     q: TensorLike,
-    table: BatchCsr,
+    table: TableLike,
     *,
-    pool: str,
-    q_pe: TensorLike | None,
-    k_new: TensorLike | None,
-    v_new: TensorLike | None,
-    ckv_new: TensorLike | None,
-    kpe_new: TensorLike | None,
-    sm_scale: float | None,
-    return_lse: bool,
-) -> None:
-    """Fills the fields PrefillRequest and DecodeRequest share."""
+    pool: str = "",
+    q_pe: TensorLike | None = None,
+    k_new: TensorLike | None = None,
+    v_new: TensorLike | None = None,
+    ckv_new: TensorLike | None = None,
+    kpe_new: TensorLike | None = None,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+) -> tuple[pb.PrefillRequest | pb.DecodeRequest, dict[str, Any]]:
+    """The Prefill/Decode request without its tensors, and the tensors by field name (the
+    message or a transport puts them in: fill_tensors, Transport.stage_call)."""
+    prefill = rpc is PREFILL
+    request = pb.PrefillRequest() if prefill else pb.DecodeRequest()
     request.pool = pool
     request.layer = layer
     request.return_lse = return_lse
-    request.kv_indptr.extend(_ints(table.kv_indptr, "kv_indptr"))
-    request.kv_indices.extend(_ints(table.kv_indices, "kv_indices"))
-    if table.kv_last_page_len is not None:
-        request.kv_last_page_len.extend(_ints(table.kv_last_page_len, "kv_last_page_len"))
     if sm_scale is not None:
         request.sm_scale = sm_scale
-    tensors = {
-        "q": q,
-        "q_pe": q_pe,
-        "k_new": k_new,
-        "v_new": v_new,
-        "ckv_new": ckv_new,
-        "kpe_new": kpe_new,
-    }
+    ref = table.ref(prefill) if isinstance(table, StagedPageTable) else None
+    if ref is not None:
+        request.page_table.CopyFrom(ref)
+    else:
+        csr = table.csr if isinstance(table, StagedPageTable) else table
+        if prefill:
+            request.qo_indptr.extend(_ints(csr.qo_indptr, "qo_indptr"))
+        request.kv_indptr.extend(_ints(csr.kv_indptr, "kv_indptr"))
+        request.kv_indices.extend(_ints(csr.kv_indices, "kv_indices"))
+        if csr.kv_last_page_len is not None:
+            request.kv_last_page_len.extend(_ints(csr.kv_last_page_len, "kv_last_page_len"))
+    values = (q, q_pe, k_new, v_new, ckv_new, kpe_new)
+    tensors = {name: v for name, v in zip(TENSOR_FIELDS, values, strict=True) if v is not None}
+    return request, tensors
+
+
+def fill_tensors(request: Any, tensors: dict[str, Any]) -> None:
+    """Puts the tensors into the message as bytes."""
     for name, value in tensors.items():
-        if value is not None:
-            getattr(request, name).CopyFrom(_tensor(value))
+        getattr(request, name).CopyFrom(tensor_message(value))
 
 
-def _tensor(value: TensorLike) -> pb.Tensor:
+def tensor_message(value: TensorLike) -> pb.Tensor:
+    """A tensor argument as a Tensor message with its bytes (bf16 unless a message is given)."""
     if isinstance(value, pb.Tensor):
         return value
     if is_torch_tensor(value):

@@ -1,13 +1,15 @@
 """Synchronous client of attnserve.v1.AttentionService (AsyncClient in aio.py is its asyncio twin).
 
 Every call carries a deadline (the client's default timeout unless one is given; it covers the
-retries too), send and receive message limits are raised to max_message_bytes (gRPC's default of
+retries too, and waiting for a server that is not reachable yet: wait_for_ready), send and
+receive message limits are raised to max_message_bytes (gRPC's default of
 4 MiB is too small for prefill batches), and failed attempts are retried as attnserve.retry
 describes. Server errors surface as AttnError subclasses (attnserve.errors).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -20,24 +22,30 @@ from attnserve.calls import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT_S,
     FREE_PAGES,
+    LIST_REGIONS,
     OPEN_SESSION,
     PREFILL,
+    REGISTER_REGION,
     SERVER_INFO,
+    UNREGISTER_REGION,
     AttentionResult,
     Rpc,
     T,
+    TableLike,
     TensorLike,
     allocate_pages_request,
+    attention_request,
     channel_options,
-    decode_request,
     free_pages_request,
     open_session_request,
-    prefill_request,
     select_pool,
     with_session,
 )
+from attnserve.errors import AttnError
 from attnserve.pages import BatchCsr
+from attnserve.regions import DEFAULT_ARENA_BYTES, DEFAULT_SHM_PREFIX
 from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
+from attnserve.transport import NeedArena, StagedPageTable, Transport, plane_may_free
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
@@ -49,7 +57,10 @@ class Client:
     (None: never retry). session: a session handle every call names (open_session() sets one).
     credentials: grpc channel credentials for TLS (e.g. grpc.ssl_channel_credentials(root_ca,
     client_key, client_cert) for mutual TLS); None: plaintext. token: a bearer token sent with
-    every call.
+    every call. wait_for_ready: an attempt made while the server cannot be reached (not started
+    yet, restarting) waits for the connection until its deadline instead of failing at once
+    with Unavailable (gRPC's wait-for-ready; nothing is sent before the connection is up, so
+    this is safe for every method); False fails fast, e.g. to try another server.
     """
 
     def __init__(
@@ -62,8 +73,18 @@ class Client:
         session: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
+        wait_for_ready: bool = True,
+        transport: str = "auto",
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        shm_prefix: str = DEFAULT_SHM_PREFIX,
+        shm_mode: int = 0o600,
     ) -> None:
         self._address = address
+        self._wait_for_ready = wait_for_ready
+        self._transport = Transport(
+            transport, address, arena_bytes=arena_bytes, shm_prefix=shm_prefix, shm_mode=shm_mode
+        )
+        self._arena_lock = threading.Lock()
         self._session = session
         # A bearer token goes with every call (servers configured with access_tokens need one).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -98,6 +119,7 @@ class Client:
         reclaimed when no call renews it for lease_s (server default when None); max_pages is
         its page quota (server default when None)."""
         opened = self._invoke(OPEN_SESSION, open_session_request(lease_s, max_pages), timeout)
+        self._release_regions(unregister=True)  # they belonged to the previous session
         self._session = opened.session
         return opened
 
@@ -107,10 +129,13 @@ class Client:
             raise ValueError("this client has no open session")
         request = pb.CloseSessionRequest(session=self._session)
         freed = self._invoke(CLOSE_SESSION, request, timeout)
+        self._release_regions(unregister=False)  # the session's regions went with it
         self._session = None
         return freed
 
     def close(self) -> None:
+        """Unregisters and frees the client's regions, then closes the channel."""
+        self._release_regions(unregister=True)
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -147,7 +172,7 @@ class Client:
         self,
         layer: int,
         q: TensorLike,
-        table: BatchCsr,
+        table: TableLike,
         *,
         pool: str = "",
         q_pe: TensorLike | None = None,
@@ -166,7 +191,8 @@ class Client:
         Tensors are numpy arrays, torch tensors or Tensor messages (TensorLike).
         table is the page table after the append; its qo_indptr splits the query rows.
         """
-        request = prefill_request(
+        request, tensors = attention_request(
+            PREFILL,
             layer,
             q,
             table,
@@ -179,13 +205,13 @@ class Client:
             sm_scale=sm_scale,
             return_lse=return_lse,
         )
-        return self.call_prefill(request, timeout=timeout)
+        return self._attend(PREFILL, request, tensors, timeout)
 
     def decode(
         self,
         layer: int,
         q: TensorLike,
-        table: BatchCsr,
+        table: TableLike,
         *,
         pool: str = "",
         q_pe: TensorLike | None = None,
@@ -201,7 +227,8 @@ class Client:
 
         Arguments as in prefill(); the new K/V of a sequence is written at position kv_len - 1.
         """
-        request = decode_request(
+        request, tensors = attention_request(
+            DECODE,
             layer,
             q,
             table,
@@ -214,7 +241,7 @@ class Client:
             sm_scale=sm_scale,
             return_lse=return_lse,
         )
-        return self.call_decode(request, timeout=timeout)
+        return self._attend(DECODE, request, tensors, timeout)
 
     def call_prefill(
         self, request: pb.PrefillRequest, *, timeout: float | None = None
@@ -228,6 +255,98 @@ class Client:
         """Sends a ready-made DecodeRequest as is."""
         return self._invoke(DECODE, request, timeout)
 
+    # ---- registered memory (attnserve.transport)
+
+    @property
+    def transport(self) -> Transport:
+        """The client's data plane: its transport setting, arenas and what they hold."""
+        return self._transport
+
+    def stage_page_table(self, table: BatchCsr, *, timeout: float | None = None) -> StagedPageTable:
+        """Writes a page table into shared memory once, for the calls of one step (every layer):
+        pass the result as their `table`, and release() it (or use `with`) after the step.
+        Without shared memory it holds the arrays, which then travel in each call."""
+        plane = self._transport
+        if plane.needs_server_info:
+            plane.resolve(self.server_info(timeout=timeout))
+        while True:
+            try:
+                return plane.stage_page_table(table)
+            except NeedArena as need:
+                if not self._add_arena(need, timeout):
+                    return StagedPageTable(table)
+
+    def register_region(
+        self, request: pb.RegisterRegionRequest, *, timeout: float | None = None
+    ) -> pb.RegionInfo:
+        """Registers memory the caller manages itself (its header written: attnserve.regions);
+        the transports register their own arenas. Not retried on Unavailable."""
+        return (self._invoke(REGISTER_REGION, request, timeout)).region
+
+    def unregister_region(self, name: str, *, timeout: float | None = None) -> None:
+        """Unregisters a region of the session (FailedPrecondition while a call uses it)."""
+        self._invoke(UNREGISTER_REGION, pb.UnregisterRegionRequest(name=name), timeout)
+
+    def list_regions(self, *, timeout: float | None = None) -> list[pb.RegionInfo]:
+        """The regions the server holds for the client's session."""
+        return self._invoke(LIST_REGIONS, pb.ListRegionsRequest(), timeout)
+
+    def _attend(
+        self, rpc: Rpc[AttentionResult], request: object, tensors: dict, timeout: float | None
+    ) -> AttentionResult:
+        """Stages the tensors (transport), sends the call, reads the outputs back."""
+        plane = self._transport
+        if plane.needs_server_info:
+            plane.resolve(self.server_info(timeout=timeout))
+        as_bytes = False
+        while True:
+            try:
+                staged = plane.stage_call(request, tensors, as_bytes=as_bytes)
+                break
+            except NeedArena as need:
+                as_bytes = not self._add_arena(need, timeout)
+        try:
+            send = self.call_prefill if rpc is PREFILL else self.call_decode
+            result = send(staged.request, timeout=timeout)
+        except BaseException as e:
+            staged.abandon(e)
+            raise
+        return staged.finish(result)
+
+    def _add_arena(self, need: NeedArena, timeout: float | None) -> bool:
+        """Creates and registers the arena staging asked for (unless another call did
+        meanwhile); False when this call should go as bytes instead (attnserve.transport)."""
+        with self._arena_lock:
+            plane = self._transport
+            if need.generation != plane.generation:
+                return True  # arenas changed since: stage again
+            try:
+                arena = plane.create_arena(need)
+            except (OSError, RuntimeError, ValueError) as e:
+                return plane.registration_failed(need.where, e)
+            try:
+                self._invoke(REGISTER_REGION, arena.register_request(), timeout)
+            except AttnError as e:
+                arena.close()
+                return plane.registration_failed(need.where, e)
+            except BaseException:
+                arena.close()
+                raise
+            plane.add_arena(need.where, arena)
+            return True
+
+    def _release_regions(self, *, unregister: bool) -> None:
+        """Forgets the arenas, unregistering them first (unless the session went with them)."""
+        for arena in self._transport.take_arenas():
+            if unregister:
+                request = pb.UnregisterRegionRequest(name=arena.name)
+                try:
+                    self._invoke(UNREGISTER_REGION, request, 5.0)
+                except AttnError as e:
+                    if not plane_may_free(arena, e):
+                        continue  # still in use by the server: leave the memory alone
+            arena.close()
+
     def _invoke(self, rpc: Rpc[T], request: object, timeout: float | None) -> T:
         """Runs rpc with retries (attnserve.retry) within one deadline; decodes the response."""
         budget = self._timeout if timeout is None else timeout
@@ -236,7 +355,12 @@ class Client:
         request = with_session(request, self._session)
         while True:
             try:
-                response = method(request, timeout=attempts.remaining(), metadata=self._metadata)
+                response = method(
+                    request,
+                    timeout=attempts.remaining(),
+                    metadata=self._metadata,
+                    wait_for_ready=self._wait_for_ready,
+                )
             except grpc.RpcError as e:
                 time.sleep(attempts.wait_after(e))
                 continue

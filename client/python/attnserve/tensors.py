@@ -2,11 +2,18 @@
 
 bf16 values are held in numpy as uint16 bit patterns (numpy has no bfloat16). On the wire a
 Tensor is dtype + shape + raw bytes, row-major and little-endian (attention.proto).
+
+When ml_dtypes is installed (`pip install attnserve[fast]`) the conversions run through its
+bfloat16 casts, about 10x faster than the bit arithmetic below and with the same bits: its
+float32 -> bf16 cast rounds to nearest even like ours but makes every NaN the canonical quiet
+NaN, so NaNs (rare; found with one BLAS dot product) are redone here to keep their payload.
+ATTNSERVE_NO_ML_DTYPES=1 selects the numpy path.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import numpy.typing as npt
@@ -24,13 +31,54 @@ _ROUNDING_BIAS = np.uint32(0x7FFF)
 _BF16_QUIET_NAN_BIT = np.uint16(0x0040)
 
 
+def _ml_dtypes_bfloat16() -> np.dtype | None:
+    if os.environ.get("ATTNSERVE_NO_ML_DTYPES"):
+        return None
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+# ml_dtypes' bfloat16, or None (not installed, or ATTNSERVE_NO_ML_DTYPES set).
+BFLOAT16: np.dtype | None = _ml_dtypes_bfloat16()
+
+
 def float_to_bf16(x: npt.ArrayLike) -> np.ndarray:
     """Rounds float values to bf16 (nearest, ties to even); returns the uint16 bit patterns.
 
-    NaN stays NaN (sign kept, quiet bit set), +-inf stays +-inf, and finite values beyond the
-    bf16 range round to +-inf as IEEE rounding does.
+    NaN stays NaN (sign and payload kept, quiet bit set), +-inf stays +-inf, and finite values
+    beyond the bf16 range round to +-inf as IEEE rounding does.
     """
-    f = np.ascontiguousarray(x, dtype=np.float32)
+    f = np.asarray(x, dtype=np.float32)
+    out = np.empty(f.shape, dtype=np.uint16)
+    float_to_bf16_into(f, out)
+    return out
+
+
+def float_to_bf16_into(x: npt.ArrayLike, out: np.ndarray) -> None:
+    """float_to_bf16 written into `out`, a uint16 array of x's shape (e.g. a view into shared
+    memory), without a temporary of the result when ml_dtypes is installed."""
+    f = np.asarray(x, dtype=np.float32)
+    if out.dtype != np.uint16 or out.shape != f.shape:
+        raise ValueError(f"out must be uint16 of shape {f.shape}, got {out.dtype} {out.shape}")
+    if BFLOAT16 is None:
+        out[...] = _float_to_bf16_numpy(f)
+        return
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and overflow are intended here
+        np.copyto(out.view(BFLOAT16), f, casting="unsafe")
+        flat = f.reshape(-1)
+        # Exactly when f has a NaN: squares are >= 0 or +inf, whose sums are never NaN.
+        has_nan = flat.size > 0 and np.isnan(np.dot(flat, flat))
+    if has_nan:
+        nan = np.isnan(f)
+        out[nan] = _float_to_bf16_numpy(f[nan])
+
+
+def _float_to_bf16_numpy(f: np.ndarray) -> np.ndarray:
+    """float_to_bf16 in numpy bit arithmetic (f: float32)."""
+    f = np.asarray(f, dtype=np.float32, order="C")
     bits = f.view(np.uint32)
     lsb = (bits >> np.uint32(16)) & np.uint32(1)
     rounded = ((bits + _ROUNDING_BIAS + lsb) >> np.uint32(16)).astype(np.uint16)
@@ -43,6 +91,13 @@ def bf16_to_float(bits: npt.ArrayLike) -> np.ndarray:
     b = np.asarray(bits)
     if b.dtype != np.uint16:
         raise TypeError(f"bf16 bit patterns must be uint16, got {b.dtype}")
+    if BFLOAT16 is not None:
+        return b.view(BFLOAT16).astype(np.float32)
+    return _bf16_to_float_numpy(b)
+
+
+def _bf16_to_float_numpy(b: np.ndarray) -> np.ndarray:
+    """bf16_to_float in numpy bit arithmetic (b: uint16)."""
     return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 

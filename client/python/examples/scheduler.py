@@ -34,6 +34,7 @@ from attnserve.reference import (
     mla_reference,
 )
 from attnserve.tensors import bf16_to_float, float_to_bf16
+from attnserve.transport import TRANSPORTS, StagedPageTable
 from attnserve.v1 import attention_pb2 as pb
 
 # DeepSeek-V3's softmax scale; MLA calls must always send one.
@@ -54,6 +55,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=at_least(1), default=64, help="prefill chunk (tokens)")
     parser.add_argument("--decode-steps", type=at_least(0), default=8, help="decode steps")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="auto",
+        help="how tensors reach the server: auto (shared memory / CUDA IPC on this node when the "
+        "server allows it), bytes, shm, or cuda (torch CUDA tensors through CUDA IPC)",
+    )
     return parser.parse_args(argv)
 
 
@@ -124,18 +132,21 @@ class Scheduler:
         self.stats.peak_pages = self.table.num_pages()
 
     def _all_layers(self, op: str, table: BatchCsr) -> None:
-        for layer in range(self.pool.num_layers):
-            self._step(op, layer, table)
+        # One page table per step: in shared memory it is written once for all layers.
+        with self.client.stage_page_table(table) as staged:
+            for layer in range(self.pool.num_layers):
+                self._step(op, layer, table, staged)
 
-    def _step(self, op: str, layer: int, table: BatchCsr) -> None:
+    def _step(self, op: str, layer: int, table: BatchCsr, staged: StagedPageTable) -> None:
         total_q = int(table.qo_indptr[-1])
         bits = self._random_tokens(total_q)
         values = {name: bf16_to_float(b) for name, b in bits.items()}
         call = self.client.prefill if op == "prefill" else self.client.decode
         sm_scale = MLA_SM_SCALE if self.is_mla else None
+        inputs = {name: self._on_device(b) for name, b in bits.items()}
         start = time.perf_counter()
         result = call(
-            layer, table=table, pool=self.pool.name, sm_scale=sm_scale, return_lse=True, **bits
+            layer, table=staged, pool=self.pool.name, sm_scale=sm_scale, return_lse=True, **inputs
         )
         self.stats.record(op, time.perf_counter() - start, result)
 
@@ -148,6 +159,15 @@ class Scheduler:
             out, lse = gqa_reference(self.mirror, layer, table, values["q"])
         self.stats.check("output", check_close(result.output, out))
         self.stats.check("lse", check_close(result.lse, lse))
+
+    def _on_device(self, bits: np.ndarray) -> object:
+        """The tensor as the model would hand it over: a torch CUDA tensor for --transport=cuda
+        (staged through CUDA IPC), else the numpy bf16 bits."""
+        if self.client.transport.transport != "cuda":
+            return bits
+        import torch
+
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).cuda()
 
     def _random_tokens(self, n: int) -> dict[str, np.ndarray]:
         """bf16 bits of random q (and q_pe) and new K/V for n tokens, keyed by call argument."""
@@ -256,6 +276,9 @@ def run(args: argparse.Namespace, client: Client) -> int:
         f"rounds x {pool.num_layers} layers), decode {len(stats.server['decode'])} "
         f"({args.decode_steps} steps x {pool.num_layers} layers)"
     )
+    kinds = client.transport.kinds  # chosen on the first call
+    used = [name for name, on in (("shared memory", kinds.shm), ("CUDA IPC", kinds.cuda)) if on]
+    print(f"transport {args.transport}: {' + '.join(used) or 'bytes in the messages'}")
     print("check    tolerance: fails only if |x-ref| > 1e-2 and |x-ref|/|ref| > 1e-2")
     for line in check_lines(stats):
         print(f"         {line}")
@@ -268,7 +291,7 @@ def run(args: argparse.Namespace, client: Client) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    with Client(args.address) as client:
+    with Client(args.address, transport=args.transport) as client:
         try:
             return run(args, client)
         except AttnError as e:

@@ -8,10 +8,18 @@ ownership); the real server's validation is covered by tests/e2e.
 fail_next() scripts failures for the retry tests: a queue-full refusal carries the same
 `grpc-retry-pushback-ms` trailer as attnserve's, and a failure "after" the call ran stands for a
 reply lost in flight.
+
+With shared_memory=True it also serves the data plane's shared-memory regions as
+attention.proto describes them (RegisterRegion maps the object and checks its header; tensors,
+page tables and outputs may be region slices, checked for bounds and alignment), so the
+client's transports can be tested without the C++ server. `seen` keeps every Prefill/Decode
+request as received.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 from collections import Counter
 from concurrent import futures
@@ -23,6 +31,7 @@ import numpy as np
 from attnserve.errors import RETRY_PUSHBACK_KEY
 from attnserve.pages import BatchCsr
 from attnserve.reference import CacheMirror, gqa_reference, mla_reference
+from attnserve.regions import HEADER_BYTES, REGION_MAGIC
 from attnserve.tensors import pack_tensor, unpack_tensor
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
@@ -48,11 +57,14 @@ class Failure:
 class FakeAttentionService(pb_grpc.AttentionServiceServicer):
     """AttentionService over the numpy reference, with scripted failures (fail_next)."""
 
-    def __init__(self, pools: list[pb.PoolInfo]) -> None:
+    def __init__(self, pools: list[pb.PoolInfo], *, shared_memory: bool = False) -> None:
         self._pools = {p.name: _Pool(p) for p in pools}
         self._failures: dict[str, list[Failure]] = {}
         self._lock = threading.Lock()
         self.calls: Counter[str] = Counter()  # calls received per method, failed ones included
+        self.shared_memory = shared_memory
+        self.regions: dict[tuple[str, str], mmap.mmap] = {}  # (session, name) -> mapping
+        self.seen: list = []
 
     def fail_next(self, method: str, failure: Failure, times: int = 1) -> None:
         """The next `times` calls of method (e.g. "Prefill") fail as failure says."""
@@ -73,6 +85,106 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
 
     def Decode(self, request, context):  # noqa: N802
         return self._serve("Decode", self._decode, request, context)
+
+    def OpenSession(self, request, context):  # noqa: N802
+        with self._lock:
+            self.calls["OpenSession"] += 1
+            handle = f"session-{self.calls['OpenSession']}"
+        return pb.OpenSessionResponse(session=handle, lease_ms=request.lease_ms or 30000)
+
+    def CloseSession(self, request, context):  # noqa: N802
+        """Drops the session's regions (pages are not kept per session here)."""
+        for key in [k for k in self.regions if k[0] == request.session]:
+            self.regions.pop(key).close()
+        return pb.CloseSessionResponse()
+
+    def RegisterRegion(self, request, context):  # noqa: N802
+        return self._serve("RegisterRegion", self._register, request, context)
+
+    def UnregisterRegion(self, request, context):  # noqa: N802
+        return self._serve("UnregisterRegion", self._unregister, request, context)
+
+    def ListRegions(self, request, context):  # noqa: N802
+        return self._serve("ListRegions", self._list_regions, request, context)
+
+    def _register(self, request, context) -> pb.RegisterRegionResponse:
+        if not self.shared_memory or request.WhichOneof("memory") != "shared_memory":
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this kind of region is not enabled")
+        name = request.shared_memory.shm_name
+        if not name.startswith("/attnserve") or request.offset % 64 or request.size < 48:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad region {request}")
+        key = (request.session, request.name)
+        if key in self.regions:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, request.name)
+        import _posixshmem
+
+        fd = _posixshmem.shm_open(name, os.O_RDWR, 0)
+        try:
+            if os.fstat(fd).st_size < request.offset + request.size:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "object too small")
+            mapping = mmap.mmap(fd, request.offset + request.size)
+        finally:
+            os.close(fd)
+        header = mapping[request.offset : request.offset + HEADER_BYTES]
+        if header != REGION_MAGIC + request.key:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "header does not match")
+        self.regions[key] = mapping
+        info = pb.RegionInfo(name=request.name, kind=pb.RegionInfo.KIND_SHARED_MEMORY,
+                             size=request.size)  # fmt: skip
+        return pb.RegisterRegionResponse(region=info)
+
+    def _unregister(self, request, context) -> pb.UnregisterRegionResponse:
+        mapping = self.regions.pop((request.session, request.name), None)
+        if mapping is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, request.name)
+        mapping.close()
+        return pb.UnregisterRegionResponse()
+
+    def _list_regions(self, request, context) -> pb.ListRegionsResponse:
+        return pb.ListRegionsResponse(
+            regions=[pb.RegionInfo(name=n, kind=pb.RegionInfo.KIND_SHARED_MEMORY, size=len(m))
+                     for (session, n), m in self.regions.items() if session == request.session]
+        )  # fmt: skip
+
+    def _slice(self, request, at: pb.RegionSlice, nbytes: int, context) -> memoryview:
+        """Bytes [offset, offset + nbytes) of a region of the call's session, checked."""
+        mapping = self.regions.get((request.session, at.name))
+        if mapping is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no region {at.name!r}")
+        if at.offset % 16 or at.offset < 0 or at.offset + nbytes > len(mapping):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad slice {at} of {nbytes} bytes")
+        return memoryview(mapping)[at.offset : at.offset + nbytes]
+
+    def _tensor(self, request, name: str, context) -> pb.Tensor:
+        """A request's tensor with its bytes, read from its region when it names one."""
+        t = getattr(request, name)
+        if not t.HasField("region"):
+            return t
+        itemsize = {pb.DTYPE_BF16: 2, pb.DTYPE_FP16: 2, pb.DTYPE_FP32: 4}[t.dtype]
+        data = self._slice(request, t.region, itemsize * int(np.prod(t.shape)), context)
+        return pb.Tensor(dtype=t.dtype, shape=t.shape, data=bytes(data))
+
+    def _page_table(self, request, prefill: bool, context) -> dict[str, np.ndarray]:
+        """The call's page table arrays, from its PageTableRef when it has one."""
+        if not request.HasField("page_table"):
+            fields = ["kv_indptr", "kv_indices", "kv_last_page_len"] + ["qo_indptr"] * prefill
+            return {f: np.asarray(getattr(request, f), dtype=np.int32) for f in fields}
+        ref = request.page_table
+        b, n = ref.batch, ref.num_pages
+        sizes = [("qo_indptr", b + 1)] * prefill + [
+            ("kv_indptr", b + 1), ("kv_last_page_len", b), ("kv_indices", n)]  # fmt: skip
+        flat = np.frombuffer(
+            self._slice(request, ref.at, 4 * sum(k for _, k in sizes), context), dtype="<i4"
+        ).copy()
+        out, start = {}, 0
+        for name, count in sizes:
+            out[name], start = flat[start : start + count], start + count
+        return out
+
+    def _write(self, request, at: pb.RegionSlice, tensor: pb.Tensor, context) -> pb.Tensor:
+        """Writes tensor's bytes into a region slice; returns the response Tensor naming it."""
+        self._slice(request, at, len(tensor.data), context)[:] = tensor.data
+        return pb.Tensor(dtype=tensor.dtype, shape=tensor.shape, region=at)
 
     def _serve(self, method: str, handler, request, context):
         """Counts the call and runs handler, failing before or after it when scripted."""
@@ -95,9 +207,12 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
             info.CopyFrom(pool.info)
             info.free_pages = len(pool.free)
             pools.append(info)
+        data_plane = pb.DataPlane(
+            shared_memory=self.shared_memory, max_regions_per_session=16,
+            max_region_bytes_per_session=1 << 30)  # fmt: skip
         return pb.GetServerInfoResponse(
-            version="fake", backend="numpy", device="test", pools=pools, max_message_bytes=1 << 28
-        )
+            version="fake", backend="numpy", device="test", pools=pools,
+            max_message_bytes=1 << 28, data_plane=data_plane)  # fmt: skip
 
     def _allocate(self, request, context) -> pb.AllocatePagesResponse:
         pool = self._pool(request.pool, context)
@@ -116,35 +231,40 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
         return pb.FreePagesResponse(free_pages=len(pool.free))
 
     def _prefill(self, request, context) -> pb.AttentionResponse:
-        return self._attend(request, np.asarray(request.qo_indptr, dtype=np.int32), context)
+        return self._attend(request, self._page_table(request, True, context), context)
 
     def _decode(self, request, context) -> pb.AttentionResponse:
-        batch = len(request.kv_indptr) - 1
-        return self._attend(request, np.arange(batch + 1, dtype=np.int32), context)
+        arrays = self._page_table(request, False, context)
+        arrays["qo_indptr"] = np.arange(len(arrays["kv_indptr"]), dtype=np.int32)
+        return self._attend(request, arrays, context)
 
-    def _attend(self, request, qo_indptr: np.ndarray, context) -> pb.AttentionResponse:
+    def _attend(self, request, arrays: dict[str, np.ndarray], context) -> pb.AttentionResponse:
+        self.seen.append(request)
         pool = self._pool(request.pool, context)
+        last = arrays["kv_last_page_len"]
         table = BatchCsr(
-            qo_indptr,
-            np.asarray(request.kv_indptr, dtype=np.int32),
-            np.asarray(request.kv_indices, dtype=np.int32),
-            np.asarray(request.kv_last_page_len, dtype=np.int32)
-            if request.kv_last_page_len
-            else None,
+            arrays["qo_indptr"],
+            arrays["kv_indptr"],
+            arrays["kv_indices"],
+            last if last.size else None,
         )
+        q_message = self._tensor(request, "q", context)
+        if request.HasField("output_to"):  # checked before anything changes, as attnserve does
+            self._slice(request, request.output_to, 2 * int(np.prod(q_message.shape)), context)
+        if request.return_lse and request.HasField("lse_to"):
+            self._slice(request, request.lse_to, 4 * int(np.prod(q_message.shape[:2])), context)
         fields = {"k": "k_new", "v": "v_new", "ckv": "ckv_new", "kpe": "kpe_new"}
         new = {
-            f: unpack_tensor(getattr(request, arg))
+            f: unpack_tensor(self._tensor(request, arg, context))
             for f, arg in fields.items()
             if request.HasField(arg)
         }
         if new:
             pool.mirror.append(request.layer, table, new)
-        q = unpack_tensor(request.q)
+        q = unpack_tensor(q_message)
         if pool.info.kind == pb.POOL_KIND_MLA:
-            out, lse = mla_reference(
-                pool.mirror, request.layer, table, q, unpack_tensor(request.q_pe), request.sm_scale
-            )
+            q_pe = unpack_tensor(self._tensor(request, "q_pe", context))
+            out, lse = mla_reference(pool.mirror, request.layer, table, q, q_pe, request.sm_scale)
         else:
             scale = request.sm_scale if request.HasField("sm_scale") else None
             out, lse = gqa_reference(pool.mirror, request.layer, table, q, scale)
@@ -162,6 +282,12 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
         )
         if request.return_lse:
             response.lse.CopyFrom(pack_tensor(lse.astype(np.float32), pb.DTYPE_FP32))
+        if request.HasField("output_to"):
+            response.output.CopyFrom(
+                self._write(request, request.output_to, response.output, context)
+            )
+        if request.return_lse and request.HasField("lse_to"):
+            response.lse.CopyFrom(self._write(request, request.lse_to, response.lse, context))
         return response
 
     def _pool(self, name: str, context) -> _Pool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -21,7 +22,9 @@ from attnserve.tensors import bf16_round
 from attnserve.v1 import attention_pb2 as pb
 
 
-def run(address: str, body: Callable[[AsyncClient], Awaitable[None]], **options: float) -> None:
+def run(
+    address: str, body: Callable[[AsyncClient], Awaitable[None]], **options: float | bool
+) -> None:
     """Runs body with a fresh AsyncClient of address in a new event loop."""
 
     async def main() -> None:
@@ -126,5 +129,12 @@ def test_deadlines_and_unreachable_servers(echo_address: str) -> None:
         with pytest.raises(Unavailable):
             await client.server_info()
 
+    async def waits_for_the_server(client: AsyncClient) -> None:
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await client.server_info()
+        assert time.monotonic() - start >= 1.0
+
     run(echo_address, slow, timeout=0.05)
-    run("127.0.0.1:1", unreachable, timeout=2.0)
+    run("127.0.0.1:1", unreachable, timeout=2.0, wait_for_ready=False)
+    run("127.0.0.1:1", waits_for_the_server, timeout=1.0)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from concurrent import futures
+
 import grpc
 import numpy as np
 import pytest
@@ -10,6 +15,7 @@ from attnserve import AttnError, BatchCsr, Client, PageTable
 from attnserve.reference import EMPTY_ROW_LSE, CacheMirror, check_close, gqa_reference
 from attnserve.tensors import bf16_round, bf16_to_float, pack_tensor
 from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
 
 def test_server_info_and_pool_lookup(client: Client) -> None:
@@ -119,7 +125,49 @@ def test_every_call_has_a_deadline(echo_address: str) -> None:
         assert c.server_info(timeout=5.0).version == "slow"
 
 
-def test_unreachable_server_is_unavailable() -> None:
-    with Client("127.0.0.1:1", timeout=2.0) as c, pytest.raises(AttnError) as err:
-        c.server_info()
+def test_unreachable_server_is_unavailable_without_wait_for_ready() -> None:
+    with Client("127.0.0.1:1", timeout=2.0, wait_for_ready=False) as c:
+        with pytest.raises(AttnError) as err:
+            c.server_info()
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_call_waits_for_an_unreachable_server_until_its_deadline() -> None:
+    """The retries used to run out within 0.6 s of a 3 s budget: each attempt failed at once
+    while the channel was in TRANSIENT_FAILURE. Waiting for the connection uses the budget."""
+    with Client("127.0.0.1:1", timeout=1.0) as c, pytest.raises(AttnError) as err:
+        start = time.monotonic()
+        c.server_info()
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start >= 1.0
+
+
+def test_a_call_made_before_the_server_is_up_goes_through_once_it_is() -> None:
+    """The server starts only after the client's channel failed to connect, when a fail-fast
+    attempt (retries off) would already have failed with UNAVAILABLE."""
+    with socket.socket() as holder:  # bound but not listening: connections are refused
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        client = Client(f"127.0.0.1:{port}", timeout=30.0, retry=None)
+        refused = threading.Event()
+        client._channel.subscribe(
+            lambda state: state == grpc.ChannelConnectivity.TRANSIENT_FAILURE and refused.set()
+        )
+        with futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(client.server_info)
+            assert refused.wait(timeout=30.0)
+            holder.close()
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+            pb_grpc.add_AttentionServiceServicer_to_server(EchoVersion(), server)
+            assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+            server.start()
+            try:
+                assert call.result(timeout=30.0).version == "up"
+            finally:
+                server.stop(grace=None)
+                client.close()
+
+
+class EchoVersion(pb_grpc.AttentionServiceServicer):
+    def GetServerInfo(self, request, context):  # noqa: N802 - gRPC method name
+        return pb.GetServerInfoResponse(version="up")

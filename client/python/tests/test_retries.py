@@ -186,7 +186,8 @@ def test_retries_stay_within_the_deadline(
 
 def test_unreachable_server_is_retried_until_the_attempts_run_out() -> None:
     policy = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.01)
-    with Client("127.0.0.1:1", timeout=5.0, retry=policy) as client, pytest.raises(Unavailable):
+    fail_fast = Client("127.0.0.1:1", timeout=5.0, retry=policy, wait_for_ready=False)
+    with fail_fast as client, pytest.raises(Unavailable):
         client.server_info()
 
 

@@ -31,6 +31,26 @@ def test_scheduler_passes(fake_address: str, pool: str) -> None:
         assert f"  {op}" in run.stdout
 
 
+@pytest.mark.parametrize("transport", ["bytes", "shm"])
+def test_scheduler_over_each_transport(transport: str) -> None:
+    service = fake_server.FakeAttentionService([fake_server.gqa_pool()], shared_memory=True)
+    server, address = fake_server.start(service)
+    try:
+        run = subprocess.run(
+            [sys.executable, str(SCHEDULER), "--address", address, "--transport", transport,
+             *SMALL],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        server.stop(grace=None)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "RESULT: PASS" in run.stdout
+    expected = "shared memory" if transport == "shm" else "bytes in the messages"
+    assert f"transport {transport}: {expected}" in run.stdout
+    in_region = [r.HasField("page_table") and r.q.HasField("region") for r in service.seen]
+    assert in_region and all(in_region) == (transport == "shm")
+
+
 class OffByOne(fake_server.FakeAttentionService):
     """Decode outputs are off by 0.5."""
 

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from attnserve import tensors
 from attnserve.tensors import (
     bf16_round,
     bf16_to_float,
@@ -17,6 +18,63 @@ from attnserve.tensors import (
     wire_array,
 )
 from attnserve.v1 import attention_pb2 as pb
+
+try:
+    import ml_dtypes
+except ImportError:  # the numpy path is tested alone
+    ml_dtypes = None
+
+CONVERSIONS = ["numpy"] + (["ml_dtypes"] if ml_dtypes is not None else [])
+
+
+@pytest.fixture(autouse=True, params=CONVERSIONS)
+def conversion(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test of this file runs on the numpy path and, when installed, on ml_dtypes."""
+    bf16 = np.dtype(ml_dtypes.bfloat16) if request.param == "ml_dtypes" else None
+    monkeypatch.setattr(tensors, "BFLOAT16", bf16)
+    return request.param
+
+
+def _float32_edge_cases() -> np.ndarray:
+    """Every bf16 pattern with the low 16 bits that decide the rounding: exact, just above,
+    just below and at the tie, the largest, and two arbitrary ones. Covers +-0, subnormals,
+    ties to even both ways, the largest finite values rounding to inf, +-inf and NaNs with and
+    without payload, quiet and signalling."""
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1234, 0xC001], dtype=np.uint32)
+    return (high[:, None] | low[None, :]).reshape(-1).view(np.float32)
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
+def test_ml_dtypes_conversion_is_bit_identical_to_numpy(conversion: str) -> None:
+    rng = np.random.default_rng(7)
+    random_bits = rng.integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
+    for x in (_float32_edge_cases(), random_bits.view(np.float32),
+              rng.standard_normal((3, 5, 7)).astype(np.float32)):  # fmt: skip
+        expected = tensors._float_to_bf16_numpy(x)
+        assert expected.dtype == np.uint16
+        np.testing.assert_array_equal(float_to_bf16(x), expected)
+        out = np.zeros(x.shape, np.uint16)
+        tensors.float_to_bf16_into(x, out)
+        np.testing.assert_array_equal(out, expected)
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    widened = bf16_to_float(every)
+    assert widened.dtype == np.float32
+    np.testing.assert_array_equal(
+        widened.view(np.uint32), tensors._bf16_to_float_numpy(every).view(np.uint32)
+    )
+
+
+def test_nan_payload_is_kept_on_both_paths() -> None:
+    x = np.array([0x7F812345, 0xFFA00000, 0x7FC10000], dtype=np.uint32).view(np.float32)
+    assert [hex(b) for b in float_to_bf16(x)] == ["0x7fc1", "0xffe0", "0x7fc1"]
+
+
+def test_float_to_bf16_into_checks_its_output() -> None:
+    with pytest.raises(ValueError, match="uint16 of shape"):
+        tensors.float_to_bf16_into(np.zeros(3, np.float32), np.zeros(4, np.uint16))
+    with pytest.raises(ValueError, match="uint16 of shape"):
+        tensors.float_to_bf16_into(np.zeros(3, np.float32), np.zeros(3, np.int16))
 
 
 @pytest.mark.parametrize(

@@ -84,3 +84,32 @@ def test_prefill_with_torch_tensors(fake_address: str) -> None:
         expected, _ = gqa_reference(mirror, 0, csr, bf16_to_float(bits_of(q)))
         assert check_close(result.output, expected).ok
         table.free_all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_torch_tensors_over_shared_memory_match_bytes(device: str, dtype: str) -> None:
+    """torch tensors are converted to bf16 straight into the arena (copy_), CUDA ones copied
+    to it; the outputs are the same bits as over bytes."""
+    service = fake_server.FakeAttentionService([fake_server.gqa_pool()], shared_memory=True)
+    server, address = fake_server.start(service)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(5, h, 8, generator=gen).to(getattr(torch, dtype)).to(device)
+                   for h in (4, 2, 2))  # fmt: skip
+        outputs = {}
+        for transport in ("bytes", "shm"):
+            with Client(address, transport=transport) as client:
+                table = PageTable(client, "gqa", 4)
+                table.reserve("s", 5)
+                csr = table.csr(["s"], q_lens=[5])
+                result = client.prefill(0, q, csr, k_new=k, v_new=v, return_lse=True)
+                assert service.seen[-1].q.HasField("region") == (transport == "shm")
+                out = result.output_torch()
+                assert out.dtype == torch.bfloat16 and out.device.type == "cpu"
+                outputs[transport] = (bits_of(out), result.lse_torch().numpy())
+                table.free_all()
+        np.testing.assert_array_equal(outputs["shm"][0], outputs["bytes"][0])
+        np.testing.assert_array_equal(outputs["shm"][1], outputs["bytes"][1])
+    finally:
+        server.stop(grace=None)

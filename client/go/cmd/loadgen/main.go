@@ -51,6 +51,7 @@ type config struct {
 	timeout       time.Duration
 	sharedConn    bool
 	jsonPath      string
+	transport     attnserve.Transport
 }
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
@@ -70,7 +71,12 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "deadline of each call")
 	fs.BoolVar(&c.sharedConn, "shared-conn", false, "all clients share one connection")
 	fs.StringVar(&c.jsonPath, "json", "", "also write the results here as JSON")
+	transport := fs.String("transport", "auto", "how tensors reach the server: auto (shared memory on this node when the server allows it), bytes or shm")
 	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	var err error
+	if c.transport, err = attnserve.ParseTransport(*transport); err != nil {
 		return c, err
 	}
 	switch {
@@ -89,6 +95,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 // Result is what a run measured (also the --json output).
 type Result struct {
 	Op              string         `json:"op"`
+	Transport       string         `json:"transport"`
 	Clients         int            `json:"clients"`
 	Batch           int            `json:"batch"`
 	Context         int            `json:"context"`
@@ -161,7 +168,8 @@ func loadgen(ctx context.Context, cfg config, out io.Writer) (*Result, error) {
 	var retries int64
 	policy := attnserve.DefaultRetryPolicy()
 	policy.OnRetry = func(attnserve.RetryEvent) { atomic.AddInt64(&retries, 1) }
-	opts := []attnserve.Option{attnserve.WithTimeout(cfg.timeout), attnserve.WithRetryPolicy(policy)}
+	opts := []attnserve.Option{attnserve.WithTimeout(cfg.timeout), attnserve.WithRetryPolicy(policy),
+		attnserve.WithTransport(cfg.transport)}
 	first, err := attnserve.Dial(cfg.address, opts...)
 	if err != nil {
 		return nil, err
@@ -227,7 +235,7 @@ func loadgen(ctx context.Context, cfg config, out io.Writer) (*Result, error) {
 	}
 	wg.Wait()
 
-	res := &Result{Op: cfg.op, Clients: cfg.clients, Batch: cfg.batch, Context: cfg.context,
+	res := &Result{Op: cfg.op, Transport: string(cfg.transport), Clients: cfg.clients, Batch: cfg.batch, Context: cfg.context,
 		Seconds: cfg.duration.Seconds(), Errors: map[string]int{}, Retries: atomic.LoadInt64(&retries)}
 	if cfg.op == "prefill" {
 		res.PrefillTokens = cfg.prefillTokens
@@ -301,7 +309,9 @@ func (w *worker) setup(ctx context.Context, cfg config, pool attnserve.PoolInfo,
 		return err
 	}
 	w.req = newRequest(pool, table, rows, rng, false)
-	return nil
+	// The table stays the same for the whole run: in shared memory it is written once.
+	w.req.PageTable, err = w.client.StagePageTable(ctx, table)
+	return err
 }
 
 // newRequest is a layer-0 call with random q over the table (rows query rows), with random new
@@ -363,7 +373,7 @@ func (w *worker) loop(ctx context.Context, op string, measureFrom, end time.Time
 }
 
 func report(out io.Writer, cfg config, r *Result) {
-	shape := fmt.Sprintf("batch %d, context %d", cfg.batch, cfg.context)
+	shape := fmt.Sprintf("batch %d, context %d, transport %s", cfg.batch, cfg.context, cfg.transport)
 	if cfg.op == "prefill" {
 		shape += fmt.Sprintf(", %d prefill tokens", cfg.prefillTokens)
 	}

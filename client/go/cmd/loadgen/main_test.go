@@ -34,7 +34,8 @@ func TestLoadgenRuns(t *testing.T) {
 		if err := json.Unmarshal(data, &res); err != nil {
 			t.Fatal(err)
 		}
-		if res.Calls == 0 || len(res.Errors) != 0 || res.ClientUs.P50 <= 0 || res.ClientUs.P99 < res.ClientUs.P50 {
+		if res.Calls == 0 || len(res.Errors) != 0 || res.ClientUs.P50 <= 0 || res.ClientUs.P99 < res.ClientUs.P50 ||
+			res.Transport != "auto" {
 			t.Fatalf("result %+v", res)
 		}
 	}
@@ -43,6 +44,9 @@ func TestLoadgenRuns(t *testing.T) {
 	if code := run([]string{"--address=" + srv.Address, "--clients=1", "--batch=1", "--context=4096",
 		"--duration=50ms", "--warmup=0s"}, &out, &errOut); code != 0 {
 		t.Fatalf("whole-pool run exited %d: %s%s", code, out.String(), errOut.String())
+	}
+	if code := run([]string{"--transport=cuda"}, &out, &errOut); code != 1 || !strings.Contains(errOut.String(), "Python") {
+		t.Fatalf("--transport=cuda exited %d: %s", code, errOut.String())
 	}
 	if code := run([]string{"--address=" + srv.Address, "--context=5000", "--batch=1", "--clients=1"}, &out, &errOut); code != 1 ||
 		!strings.Contains(errOut.String(), "need 313 pages") {

@@ -47,6 +47,7 @@ type config struct {
 	decodeSteps int
 	seed        int64
 	timeout     time.Duration
+	transport   attnserve.Transport
 }
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
@@ -61,7 +62,12 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.decodeSteps, "decode-steps", 8, "decode steps")
 	fs.Int64Var(&c.seed, "seed", 0, "random seed")
 	fs.DurationVar(&c.timeout, "timeout", 60*time.Second, "deadline of each call")
+	transport := fs.String("transport", "auto", "how tensors reach the server: auto (shared memory on this node when the server allows it), bytes or shm")
 	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	var err error
+	if c.transport, err = attnserve.ParseTransport(*transport); err != nil {
 		return c, err
 	}
 	switch {
@@ -84,7 +90,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		return 2
 	}
-	client, err := attnserve.Dial(cfg.address, attnserve.WithTimeout(cfg.timeout))
+	client, err := attnserve.Dial(cfg.address, attnserve.WithTimeout(cfg.timeout), attnserve.WithTransport(cfg.transport))
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 2
@@ -286,8 +292,14 @@ func (s *scheduler) decode(ctx context.Context, ids []int, steps int) error {
 }
 
 func (s *scheduler) allLayers(ctx context.Context, op string, table attnserve.BatchCSR) error {
+	// One page table per step: in shared memory it is written once for all layers.
+	staged, err := s.client.StagePageTable(ctx, table)
+	if err != nil {
+		return err
+	}
+	defer staged.Release()
 	for layer := 0; layer < s.pool.NumLayers; layer++ {
-		if err := s.step(ctx, op, layer, table); err != nil {
+		if err := s.step(ctx, op, layer, staged); err != nil {
 			return err
 		}
 	}
@@ -295,9 +307,10 @@ func (s *scheduler) allLayers(ctx context.Context, op string, table attnserve.Ba
 }
 
 // step sends one call with random q and new K/V, mirrors the K/V and checks the result.
-func (s *scheduler) step(ctx context.Context, op string, layer int, table attnserve.BatchCSR) error {
+func (s *scheduler) step(ctx context.Context, op string, layer int, staged *attnserve.StagedPageTable) error {
+	table := staged.CSR
 	n, h := table.TotalQ(), s.pool.NumQOHeads
-	req := &attnserve.AttentionRequest{Pool: s.pool.Name, Layer: layer, Table: table, ReturnLSE: true}
+	req := &attnserve.AttentionRequest{Pool: s.pool.Name, Layer: layer, PageTable: staged, ReturnLSE: true}
 	newKV := map[string][]float32{}
 	var q, qPE []float32
 	if s.pool.Kind == attnserve.PoolKindMLA {

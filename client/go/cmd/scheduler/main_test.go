@@ -40,4 +40,14 @@ func TestSchedulerReportsFailedCalls(t *testing.T) {
 	if code := run([]string{"--chunk=0"}, &out, &errOut); code != 2 {
 		t.Fatalf("bad flag: exit %d", code)
 	}
+	errOut.Reset()
+	if code := run([]string{"--transport=cuda"}, &out, &errOut); code != 2 || !strings.Contains(errOut.String(), "Python") {
+		t.Fatalf("--transport=cuda: exit %d, stderr %q", code, errOut.String())
+	}
+	// Over bytes explicitly (shm needs a server with regions: e2e/dataplane_test.go).
+	var ok bytes.Buffer
+	if code := run([]string{"--address=" + srv.Address, "--pool=gqa", "--transport=bytes", "--prompt-len=20",
+		"--decode-steps=1"}, &ok, &errOut); code != 0 || !strings.Contains(ok.String(), "RESULT: PASS") {
+		t.Fatalf("--transport=bytes: exit %d\n%s%s", code, ok.String(), errOut.String())
+	}
 }

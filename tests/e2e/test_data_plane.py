@@ -1,0 +1,283 @@
+"""The data plane end to end: the Python client's transports against a server with registered
+memory enabled, every result checked against the numpy reference.
+
+Skipped as a whole while the server answers RegisterRegion with UNIMPLEMENTED (a server that
+predates regions, or one without them enabled). The cuda transport runs only with torch, a GPU
+and ATTNSERVE_BACKEND=cuda.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from attnserve import AttnError, BatchCsr, Client
+from attnserve.calls import prefill_request
+from attnserve.regions import SharedMemoryArena
+from attnserve.tensors import bf16_to_float
+
+from conftest import server_config
+from launcher import Launched, launch
+from workload import PoolSession, check_result
+
+BACKEND = os.environ.get("ATTNSERVE_BACKEND", "cpu")
+
+
+def data_plane_config():
+    config = server_config()
+    config.data_plane.shared_memory = True
+    config.data_plane.cuda_ipc = BACKEND == "cuda"
+    config.data_plane.max_regions_per_session = 8
+    config.data_plane.max_region_bytes_per_session = 1 << 30
+    return config
+
+
+@dataclass
+class PlaneServer:
+    launched: Launched
+    regions: str  # "" when the server registers shared memory, else why not
+
+    @property
+    def address(self) -> str:
+        return self.launched.address
+
+    def require_regions(self) -> None:
+        if self.regions:
+            pytest.skip(f"the server does not support registered memory yet: {self.regions}")
+
+
+@pytest.fixture(scope="module")
+def plane_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlaneServer]:
+    """A server with shared memory (and CUDA IPC on the CUDA backend) enabled; tests that need
+    regions skip while it answers RegisterRegion with UNIMPLEMENTED."""
+    srv = launch(tmp_path_factory.mktemp("data_plane"), data_plane_config())
+    try:
+        why = ""
+        with Client(srv.address, transport="bytes") as probe:
+            arena = SharedMemoryArena(1 << 16)
+            try:
+                probe.register_region(arena.register_request())
+                probe.unregister_region(arena.name)
+            except AttnError as e:
+                if e.code != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                why = str(e)
+            finally:
+                arena.close()
+        yield PlaneServer(srv, why)
+    finally:
+        srv.process.kill()
+        srv.process.wait()
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return BACKEND == "cuda" and torch.cuda.is_available()
+
+
+TRANSPORTS = [
+    "bytes",
+    "shm",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not cuda_available(), reason="needs torch, a GPU and ATTNSERVE_BACKEND=cuda"
+        ),
+    ),
+]
+
+
+class TorchCudaInputs:
+    """A Client whose tensor arguments (numpy bf16 bits) become torch CUDA tensors, so that the
+    cuda transport stages them through CUDA IPC; everything else is the client's."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def _cuda(self, kwargs: dict) -> dict:
+        import torch
+
+        for name in ("q", "q_pe", "k_new", "v_new", "ckv_new", "kpe_new"):
+            if isinstance(kwargs.get(name), np.ndarray):
+                bits = kwargs[name].view(np.int16)
+                kwargs[name] = torch.from_numpy(bits).view(torch.bfloat16).cuda()
+        return kwargs
+
+    def prefill(self, layer, **kwargs):
+        result = self._client.prefill(layer, **self._cuda(kwargs))
+        assert result.region_output is not None and result.region_output.is_cuda
+        return result
+
+    def decode(self, layer, **kwargs):
+        return self._client.decode(layer, **self._cuda(kwargs))
+
+
+def client_for(plane_server: PlaneServer, transport: str) -> Client:
+    if transport != "bytes":
+        plane_server.require_regions()
+    return Client(
+        plane_server.address, transport=transport, timeout=60.0, max_message_bytes=64 << 20
+    )
+
+
+def session(client: Client, pool_name: str, seed: int) -> PoolSession:
+    pool = client.pool_info(pool_name)
+    driver = TorchCudaInputs(client) if client.transport.transport == "cuda" else client
+    return PoolSession(driver, pool, seed=seed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("pool_name", ["gqa", "gqa_g5", "mla"])
+def test_chunked_prefill_with_append_then_decode(
+    plane_server: PlaneServer, transport: str, pool_name: str
+) -> None:
+    with client_for(plane_server, transport) as client:
+        s = session(client, pool_name, seed=11)
+        try:
+            s.chunk(["a", "b"], [37, 5])  # both layers, K/V appended, checked
+            s.chunk(["a", "b"], [16, 21])  # prefill on cached tokens
+            for _ in range(3):
+                s.decode_step(["a", "b"])
+            if transport != "bytes":
+                regions = client.list_regions()
+                assert regions and all(r.calls_in_flight == 0 for r in regions)
+        finally:
+            s.close()
+
+
+@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("pool_name", ["gqa", "mla"])
+def test_a_staged_page_table_serves_every_layer(
+    plane_server: PlaneServer, transport: str, pool_name: str
+) -> None:
+    with client_for(plane_server, transport) as client:
+        s = session(client, pool_name, seed=12)
+        try:
+            s.chunk(["x", "y", "z"], [9, 40, 1])
+            s.grow(["x", "y", "z"], [1, 1, 1])
+            csr = s.table.csr(["x", "y", "z"])
+            with client.stage_page_table(csr) as staged:
+                assert staged.staged
+                for layer in range(s.pool.num_layers):
+                    bits = s.tokens(3)
+                    scale = s.default_scale
+                    result = client.decode(layer, table=staged, pool=s.pool.name, sm_scale=scale,
+                                           return_lse=True, **bits)  # fmt: skip
+                    values = {k: bf16_to_float(v) for k, v in bits.items()}
+                    rows = {k.removesuffix("_new"): v for k, v in values.items() if "_new" in k}
+                    s.mirror.append(layer, csr, rows)
+                    out, lse = s.expected(layer, csr, values, scale)
+                    check_result(result, out, lse)
+        finally:
+            s.close()
+
+
+def test_bad_references_are_refused_and_change_nothing(plane_server: PlaneServer) -> None:
+    """Each bad call would append K/V of 2.0 over the token of 0.5 at position 0; afterwards a
+    read-only call still sees 0.5 (one key: the output is its value)."""
+    plane_server.require_regions()
+    with client_for(plane_server, "bytes") as client:
+        pool = client.pool_info("gqa")
+        h, h_kv, d = pool.num_qo_heads, pool.num_kv_heads, pool.head_dim
+        pages = client.allocate_pages(1, pool="gqa")
+        one = np.array([0, 1], np.int32)
+        table = BatchCsr(one, one, np.array(pages, np.int32), np.array([1], np.int32))
+        q = np.ones((1, h, d), np.float32)
+        kept = np.full((1, h_kv, d), 0.5, np.float32)
+        arena = SharedMemoryArena(1 << 16)
+        try:
+            client.prefill(0, q, table, pool="gqa", k_new=kept, v_new=kept)
+            client.register_region(arena.register_request())
+            arena.registered()
+            q_bytes = (1 * h * d) * 2
+            cases = {
+                "unregistered region": ("q", "py-shm-unknown", 64, grpc.StatusCode.NOT_FOUND),
+                "q past the end": ("q", arena.name, (1 << 16) - q_bytes + 16,
+                                   grpc.StatusCode.INVALID_ARGUMENT),
+                "misaligned q": ("q", arena.name, 72, grpc.StatusCode.INVALID_ARGUMENT),
+                "output past the end": ("output_to", arena.name, 1 << 16,
+                                        grpc.StatusCode.INVALID_ARGUMENT),
+            }  # fmt: skip
+            for what, (field, name, offset, code) in cases.items():
+                other = np.full((1, h_kv, d), 2.0, np.float32)
+                request = prefill_request(0, q, table, pool="gqa", k_new=other, v_new=other)
+                at = request.q.region if field == "q" else request.output_to
+                if field == "q":
+                    request.q.ClearField("data")
+                at.name, at.offset = name, offset
+                with pytest.raises(AttnError) as err:
+                    client.call_prefill(request)
+                assert err.value.code == code, what
+            out = client.prefill(0, q, table, pool="gqa").output
+            np.testing.assert_array_equal(out, np.full((1, h, d), 0.5, np.float32))
+        finally:
+            client.unregister_region(arena.name)
+            arena.close()
+            client.free_pages(pages, pool="gqa")
+
+
+def empty_table() -> BatchCsr:
+    """One sequence without pages (a table to stage)."""
+    return BatchCsr(np.array([0, 1], np.int32), np.array([0, 0], np.int32),
+                    np.array([], np.int32), np.array([1], np.int32))  # fmt: skip
+
+
+def test_regions_go_with_their_client_and_session(plane_server: PlaneServer) -> None:
+    plane_server.require_regions()
+    with Client(plane_server.address, transport="shm") as owner:
+        owner.open_session(lease_s=30)
+        assert owner.stage_page_table(empty_table()).staged
+        with Client(plane_server.address, session=owner.session, transport="bytes") as observer:
+            assert len(observer.list_regions()) == 1
+            owner.close()  # unregisters
+            assert observer.list_regions() == []
+            observer.close_session()
+
+
+def test_a_dying_client_leaves_nothing_behind(plane_server: PlaneServer) -> None:
+    """Killed holding a page and a registered region: no shared-memory object is left on the
+    node, and the server drops both with the session when its lease expires (watched through
+    the pool's free pages, since a call naming the session would renew it)."""
+    plane_server.require_regions()
+    script = textwrap.dedent(f"""
+        import os, signal
+        from attnserve import BatchCsr, Client
+        import numpy as np
+        c = Client({plane_server.address!r}, transport="shm")
+        c.open_session(lease_s=0.3)
+        c.allocate_pages(1, pool="gqa")
+        one = np.array([0, 1])
+        c.stage_page_table(BatchCsr(one, np.array([0, 0]), np.array([], np.int32), np.array([1])))
+        print(c.session, c.transport.take_arenas()[0].shm_name, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    with client_for(plane_server, "bytes") as watcher:
+        free_before = watcher.pool_info("gqa").free_pages
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert run.returncode == -9, run.stderr
+        handle, shm_name = run.stdout.split()
+        assert not Path("/dev/shm", shm_name.lstrip("/")).exists()
+        deadline = time.monotonic() + 30
+        while watcher.pool_info("gqa").free_pages != free_before:
+            assert time.monotonic() < deadline, "the dead client's session was not reclaimed"
+            time.sleep(0.1)
+    with Client(plane_server.address, session=handle, transport="bytes", retry=None) as late:
+        with pytest.raises(AttnError) as err:
+            late.list_regions()
+        assert err.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
