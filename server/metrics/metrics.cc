@@ -12,17 +12,12 @@ namespace {
 
 using prometheus::Histogram;
 
-// 5 us .. 10 s in a 1-2-5 series.
+// 5 us .. 10 s in a 1-2-5 series, written as literals: each is the double nearest its decimal,
+// so the exposition prints le="0.0001" (a computed 1e-6 * 10 * 10 prints 9.999999999999999e-05,
+// which an le="0.0001" query never finds).
 Histogram::BucketBoundaries LatencyBuckets() {
-  Histogram::BucketBoundaries b;
-  for (double decade = 1e-6; decade < 10; decade *= 10) {
-    for (double m : {1.0, 2.0, 5.0}) {
-      const double v = m * decade;
-      if (v >= 5e-6 - 1e-12 && v <= 10 + 1e-9) b.push_back(v);
-    }
-  }
-  b.push_back(10);
-  return b;
+  return {5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
+          0.01, 0.02, 0.05, 0.1,  0.2,  0.5,  1,    2,    5,    10};
 }
 
 // 1, 2, 4, ... up to `max`.
@@ -40,8 +35,7 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
 }  // namespace
 
-Metrics::Metrics(const std::string& version, const std::string& backend,
-                 const std::string& device)
+Metrics::Metrics(const std::string& version, const std::string& backend, const std::string& device)
     : registry_(std::make_shared<prometheus::Registry>()),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("attn_rpc_duration_seconds")
@@ -92,8 +86,9 @@ Metrics::Metrics(const std::string& version, const std::string& backend,
                      .Register(*registry_);
   auto& stage = prometheus::BuildHistogram()
                     .Name("attn_launch_stage_seconds")
-                    .Help("Time of each stage of a launch: prepare (merge, plan, gather inputs), "
-                          "execute (copies and kernels), finish (write outputs)")
+                    .Help(
+                        "Time of each stage of a launch: prepare (merge, plan, gather inputs), "
+                        "execute (copies and kernels), finish (write outputs)")
                     .Register(*registry_);
   auto& batch_requests = prometheus::BuildHistogram()
                              .Name("attn_batch_requests")

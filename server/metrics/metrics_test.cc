@@ -1,7 +1,10 @@
 #include "server/metrics/metrics.h"
 
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "gtest/gtest.h"
 
 namespace attn {
@@ -11,15 +14,28 @@ bool Has(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
+// The le="..." values of the bucket lines that start with `series` (a name and its first labels),
+// in the order of the exposition.
+std::vector<std::string> Bounds(const std::string& text, const std::string& series) {
+  std::vector<std::string> bounds;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::ConsumePrefix(&line, series)) continue;
+    const size_t le = line.find("le=\"");
+    if (le == absl::string_view::npos) continue;
+    line.remove_prefix(le + 4);
+    bounds.emplace_back(line.substr(0, line.find('"')));
+  }
+  return bounds;
+}
+
 TEST(MetricsTest, ExposesEveryFamilyWithItsType) {
   Metrics m("1.2.3", "cpu", "test device");
   const std::string text = m.Scrape();
   for (const char* family :
        {"# TYPE attn_queue_wait_seconds histogram", "# TYPE attn_kernel_duration_seconds histogram",
-        "# TYPE attn_launch_stage_seconds histogram",
-        "# TYPE attn_batch_requests histogram", "# TYPE attn_batch_tokens histogram",
-        "# TYPE attn_transfer_bytes_total counter", "# TYPE attn_inflight_requests gauge",
-        "# TYPE attn_build_info gauge"}) {
+        "# TYPE attn_launch_stage_seconds histogram", "# TYPE attn_batch_requests histogram",
+        "# TYPE attn_batch_tokens histogram", "# TYPE attn_transfer_bytes_total counter",
+        "# TYPE attn_inflight_requests gauge", "# TYPE attn_build_info gauge"}) {
     EXPECT_TRUE(Has(text, family)) << family;
   }
   EXPECT_TRUE(Has(text, R"(attn_build_info{backend="cpu",device="test device",version="1.2.3"} 1)"))
@@ -35,15 +51,28 @@ TEST(MetricsTest, RpcsCountAndTime) {
   const std::string text = m.Scrape();
   EXPECT_TRUE(Has(text, R"(attn_rpc_requests_total{code="ok",method="Decode"} 1)")) << text;
   EXPECT_TRUE(Has(text, R"(attn_rpc_requests_total{code="invalid_argument",method="Decode"} 1)"));
-  EXPECT_TRUE(Has(text,
-                  R"(attn_request_errors_total{method="Decode",reason="invalid_argument"} 1)"));
+  EXPECT_TRUE(
+      Has(text, R"(attn_request_errors_total{method="Decode",reason="invalid_argument"} 1)"));
   // 30 us falls in the 5e-05 bucket, not the 2e-05 one; buckets run from 5 us to 10 s.
-  EXPECT_TRUE(Has(text, R"(attn_rpc_duration_seconds_bucket{code="ok",method="Decode",le="2e-05"} 0)"))
+  EXPECT_TRUE(
+      Has(text, R"(attn_rpc_duration_seconds_bucket{code="ok",method="Decode",le="2e-05"} 0)"))
       << text;
-  EXPECT_TRUE(Has(text, R"(attn_rpc_duration_seconds_bucket{code="ok",method="Decode",le="5e-05"} 1)"));
-  EXPECT_TRUE(Has(text, R"(le="5e-06")"));
-  EXPECT_TRUE(Has(text, R"(le="10")"));
+  EXPECT_TRUE(
+      Has(text, R"(attn_rpc_duration_seconds_bucket{code="ok",method="Decode",le="5e-05"} 1)"));
   EXPECT_TRUE(Has(text, "attn_inflight_requests 0"));
+}
+
+// The bounds print as the decimals they stand for (the spelling Prometheus' own Go clients use,
+// strconv 'g'), so a query for le="0.0001" finds its bucket.
+TEST(MetricsTest, LatencyBoundsPrintAsExactDecimals) {
+  Metrics m("v", "cpu", "d");
+  m.OnRpc("Decode", absl::OkStatus(), absl::Microseconds(30));
+  const std::vector<std::string> expected = {
+      "5e-06", "1e-05", "2e-05", "5e-05", "0.0001", "0.0002", "0.0005",
+      "0.001", "0.002", "0.005", "0.01",  "0.02",   "0.05",   "0.1",
+      "0.2",   "0.5",   "1",     "2",     "5",      "10",     "+Inf"};
+  EXPECT_EQ(Bounds(m.Scrape(), R"(attn_rpc_duration_seconds_bucket{code="ok",method="Decode",)"),
+            expected);
 }
 
 TEST(MetricsTest, LaunchesPoolsAndTransfers) {
