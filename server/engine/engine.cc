@@ -33,8 +33,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Backend> 
     for (Op op : {Op::kPrefill, Op::kDecode}) {
       ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, engine->backend_->CreateLane(index, op));
       auto batcher =
-          std::make_unique<Batcher>(absl::StrCat(pool->geometry.name, "/", OpName(op)), op,
-                                    std::move(lane), batching, observer);
+          std::make_unique<Batcher>(pool->geometry.name, op, std::move(lane), batching, observer);
       (op == Op::kPrefill ? pool->prefill : pool->decode) = std::move(batcher);
     }
     engine->pools_.push_back(std::move(pool));

@@ -75,42 +75,28 @@ Metrics::Metrics(const std::string& version, const std::string& backend, const s
                     .Name("attn_inflight_requests")
                     .Help("Calls received and not yet finished")
                     .Register(*registry_)
-                    .Add({})) {
-  auto& queue_wait = prometheus::BuildHistogram()
-                         .Name("attn_queue_wait_seconds")
-                         .Help("Time a call waited in its batcher's queue")
-                         .Register(*registry_);
-  auto& kernel = prometheus::BuildHistogram()
-                     .Name("attn_kernel_duration_seconds")
-                     .Help("Append + attention time of a launch (device time on the GPU)")
-                     .Register(*registry_);
-  auto& stage = prometheus::BuildHistogram()
-                    .Name("attn_launch_stage_seconds")
-                    .Help(
-                        "Time of each stage of a launch: prepare (merge, plan, gather inputs), "
-                        "execute (copies and kernels), finish (write outputs)")
-                    .Register(*registry_);
-  auto& batch_requests = prometheus::BuildHistogram()
-                             .Name("attn_batch_requests")
-                             .Help("Calls merged into one launch")
-                             .Register(*registry_);
-  auto& batch_tokens = prometheus::BuildHistogram()
-                           .Name("attn_batch_tokens")
-                           .Help("Query tokens in one launch")
-                           .Register(*registry_);
-  for (Op op : {Op::kPrefill, Op::kDecode}) {
-    const prometheus::Labels labels{{"op", OpName(op)}};
-    auto stage_series = [&](const char* name) {
-      return &stage.Add({{"op", OpName(op)}, {"stage", name}}, LatencyBuckets());
-    };
-    ops_[static_cast<int>(op)] = OpMetrics{&queue_wait.Add(labels, LatencyBuckets()),
-                                           &kernel.Add(labels, LatencyBuckets()),
-                                           stage_series("prepare"),
-                                           stage_series("execute"),
-                                           stage_series("finish"),
-                                           &batch_requests.Add(labels, PowersOfTwo(1024)),
-                                           &batch_tokens.Add(labels, PowersOfTwo(1 << 20))};
-  }
+                    .Add({})),
+      queue_wait_(prometheus::BuildHistogram()
+                      .Name("attn_queue_wait_seconds")
+                      .Help("Time a call waited in its batcher's queue")
+                      .Register(*registry_)),
+      kernel_(prometheus::BuildHistogram()
+                  .Name("attn_kernel_duration_seconds")
+                  .Help("Append + attention time of a launch (device time on the GPU)")
+                  .Register(*registry_)),
+      stage_(prometheus::BuildHistogram()
+                 .Name("attn_launch_stage_seconds")
+                 .Help("Time of each stage of a launch: prepare (merge, plan, gather inputs), "
+                       "execute (copies and kernels), finish (write outputs)")
+                 .Register(*registry_)),
+      batch_requests_(prometheus::BuildHistogram()
+                          .Name("attn_batch_requests")
+                          .Help("Calls merged into one launch")
+                          .Register(*registry_)),
+      batch_tokens_(prometheus::BuildHistogram()
+                        .Name("attn_batch_tokens")
+                        .Help("Query tokens in one launch")
+                        .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("attn_build_info")
       .Help("Version, backend and device of this server (value 1)")
@@ -155,7 +141,35 @@ void Metrics::OnRpc(const char* method, const absl::Status& status, absl::Durati
   if (!status.ok()) request_errors_.Add({{"method", method}, {"reason", code}}).Increment();
 }
 
+Metrics::OpMetrics Metrics::LaunchSeries(const std::string& pool, Op op) {
+  const int index = static_cast<int>(op);
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = pools_.find(pool);
+    if (it != pools_.end()) return it->second[index];
+  }
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = pools_.try_emplace(pool);
+  if (inserted) {
+    for (Op o : {Op::kPrefill, Op::kDecode}) {
+      const prometheus::Labels labels{{"pool", pool}, {"op", OpName(o)}};
+      auto stage = [&](const char* name) {
+        return &stage_.Add({{"pool", pool}, {"op", OpName(o)}, {"stage", name}}, LatencyBuckets());
+      };
+      it->second[static_cast<int>(o)] = OpMetrics{&queue_wait_.Add(labels, LatencyBuckets()),
+                                                  &kernel_.Add(labels, LatencyBuckets()),
+                                                  stage("prepare"),
+                                                  stage("execute"),
+                                                  stage("finish"),
+                                                  &batch_requests_.Add(labels, PowersOfTwo(1024)),
+                                                  &batch_tokens_.Add(labels, PowersOfTwo(1 << 20))};
+    }
+  }
+  return it->second[index];
+}
+
 void Metrics::AddPool(const std::string& pool, int total_pages) {
+  LaunchSeries(pool, Op::kDecode);  // creates the launch series of both ops
   alloc_failures_.Add({{"pool", pool}});
   pages_reclaimed_.Add({{"pool", pool}});
   SetPoolPages(pool, total_pages, total_pages);
@@ -175,8 +189,9 @@ void Metrics::OnPagesReclaimed(const std::string& pool, int pages) {
   pages_reclaimed_.Add({{"pool", pool}}).Increment(pages);
 }
 
-void Metrics::OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) {
-  const OpMetrics& m = ops_[static_cast<int>(op)];
+void Metrics::OnLaunch(const std::string& pool, Op op, int requests, int tokens,
+                       const LaunchStats& stats) {
+  const OpMetrics m = LaunchSeries(pool, op);
   m.kernel->Observe(Seconds(stats.compute));
   m.prepare->Observe(Seconds(stats.prepare));
   m.execute->Observe(Seconds(stats.execute));
@@ -187,8 +202,8 @@ void Metrics::OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats
   bytes_out_.Increment(static_cast<double>(stats.bytes_out));
 }
 
-void Metrics::OnQueueWait(Op op, absl::Duration wait) {
-  ops_[static_cast<int>(op)].queue_wait->Observe(Seconds(wait));
+void Metrics::OnQueueWait(const std::string& pool, Op op, absl::Duration wait) {
+  LaunchSeries(pool, op).queue_wait->Observe(Seconds(wait));
 }
 
 }  // namespace attn

@@ -2,8 +2,11 @@
 //
 // Names follow Prometheus conventions: prefix attn_, base units (seconds, bytes), counters end in
 // _total, and every label set is bounded (methods, status codes, ops, pools, directions; never a
-// client or sequence id). Latency histograms use 1-2-5 buckets from 5 microseconds to 10 seconds;
-// batch-size histograms use powers of two. Thread safe.
+// client or sequence id). Launch histograms (queue wait, kernel time, launch stages, batch sizes)
+// are labelled by pool and op: a server with a GQA and an MLA pool serves two models. Latency
+// histograms use 1-2-5 buckets from 5 microseconds to 10 seconds; batch-size histograms use powers
+// of two.
+// Thread safe.
 #pragma once
 
 #include <array>
@@ -11,8 +14,10 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
@@ -42,6 +47,7 @@ class Metrics final : public BatchObserver {
   void OnRpcFinished() { inflight_.Decrement(); }
 
   // Creates a pool's series at zero (so rates start from the first scrape) and sets its pages.
+  // A pool the observer reports before AddPool gets its launch series then.
   void AddPool(const std::string& pool, int total_pages);
   void SetPoolPages(const std::string& pool, int free_pages, int total_pages);
   void OnAllocationFailure(const std::string& pool);
@@ -49,8 +55,9 @@ class Metrics final : public BatchObserver {
   void OnPagesReclaimed(const std::string& pool, int pages);
 
   // BatchObserver (called on batcher threads).
-  void OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) override;
-  void OnQueueWait(Op op, absl::Duration wait) override;
+  void OnLaunch(const std::string& pool, Op op, int requests, int tokens,
+                const LaunchStats& stats) override;
+  void OnQueueWait(const std::string& pool, Op op, absl::Duration wait) override;
 
  private:
   struct OpMetrics {
@@ -62,6 +69,10 @@ class Metrics final : public BatchObserver {
     prometheus::Histogram* batch_requests;
     prometheus::Histogram* batch_tokens;
   };
+  using PoolMetrics = std::array<OpMetrics, 2>;  // indexed by Op
+
+  // The launch series of (pool, op), created on first use.
+  OpMetrics LaunchSeries(const std::string& pool, Op op) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
@@ -76,7 +87,16 @@ class Metrics final : public BatchObserver {
   prometheus::Counter& bytes_in_;
   prometheus::Counter& bytes_out_;
   prometheus::Gauge& inflight_;
-  std::array<OpMetrics, 2> ops_;  // indexed by Op
+  prometheus::Family<prometheus::Histogram>& queue_wait_;
+  prometheus::Family<prometheus::Histogram>& kernel_;
+  prometheus::Family<prometheus::Histogram>& stage_;
+  prometheus::Family<prometheus::Histogram>& batch_requests_;
+  prometheus::Family<prometheus::Histogram>& batch_tokens_;
+
+  // The families would find a series by its labels themselves; this map saves hashing the labels
+  // on every call.
+  absl::Mutex mu_;
+  std::map<std::string, PoolMetrics, std::less<>> pools_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attn

@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "gtest/gtest.h"
@@ -30,6 +31,7 @@ std::vector<std::string> Bounds(const std::string& text, const std::string& seri
 
 TEST(MetricsTest, ExposesEveryFamilyWithItsType) {
   Metrics m("1.2.3", "cpu", "test device");
+  m.AddPool("gqa", 8);  // launch families have series per pool (a family without any is not shown)
   const std::string text = m.Scrape();
   for (const char* family :
        {"# TYPE attn_queue_wait_seconds histogram", "# TYPE attn_kernel_duration_seconds histogram",
@@ -84,29 +86,69 @@ TEST(MetricsTest, LaunchesPoolsAndTransfers) {
   stats.finish = absl::Microseconds(60);
   stats.bytes_in = 1000;
   stats.bytes_out = 10;
-  m.OnLaunch(Op::kDecode, 3, 24, stats);
-  m.OnQueueWait(Op::kDecode, absl::Microseconds(7));
+  m.OnLaunch("gqa", Op::kDecode, 3, 24, stats);
+  m.OnQueueWait("gqa", Op::kDecode, absl::Microseconds(7));
   m.AddPool("gqa", 100);
   EXPECT_TRUE(Has(m.Scrape(), R"(attn_pages_reclaimed_total{pool="gqa"} 0)"));
   m.SetPoolPages("gqa", 90, 100);
   m.OnAllocationFailure("gqa");
   m.OnPagesReclaimed("gqa", 7);
   const std::string text = m.Scrape();
-  EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",le="2"} 0)")) << text;
-  EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",le="4"} 1)"));
-  EXPECT_TRUE(Has(text, R"(attn_batch_tokens_sum{op="decode"} 24)"));
-  EXPECT_TRUE(Has(text, R"(attn_kernel_duration_seconds_count{op="decode"} 1)"));
-  EXPECT_TRUE(Has(text, R"(attn_queue_wait_seconds_count{op="decode"} 1)"));
-  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="prepare"} 4e-05)"))
+  EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",pool="gqa",le="2"} 0)")) << text;
+  EXPECT_TRUE(Has(text, R"(attn_batch_requests_bucket{op="decode",pool="gqa",le="4"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_batch_tokens_sum{op="decode",pool="gqa"} 24)"));
+  EXPECT_TRUE(Has(text, R"(attn_kernel_duration_seconds_count{op="decode",pool="gqa"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_queue_wait_seconds_count{op="decode",pool="gqa"} 1)"));
+  EXPECT_TRUE(
+      Has(text, R"(attn_launch_stage_seconds_sum{op="decode",pool="gqa",stage="prepare"} 4e-05)"))
       << text;
-  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="execute"} 0.003)"));
-  EXPECT_TRUE(Has(text, R"(attn_launch_stage_seconds_sum{op="decode",stage="finish"} 6e-05)"));
+  EXPECT_TRUE(
+      Has(text, R"(attn_launch_stage_seconds_sum{op="decode",pool="gqa",stage="execute"} 0.003)"));
+  EXPECT_TRUE(
+      Has(text, R"(attn_launch_stage_seconds_sum{op="decode",pool="gqa",stage="finish"} 6e-05)"));
   EXPECT_TRUE(Has(text, R"(attn_transfer_bytes_total{direction="in"} 1000)"));
   EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="free"} 90)"));
   EXPECT_TRUE(Has(text, R"(attn_kv_pages{pool="gqa",state="used"} 10)"));
   EXPECT_TRUE(Has(text, R"(attn_kv_pages_capacity{pool="gqa"} 100)"));
   EXPECT_TRUE(Has(text, R"(attn_page_alloc_failures_total{pool="gqa"} 1)"));
   EXPECT_TRUE(Has(text, R"(attn_pages_reclaimed_total{pool="gqa"} 7)"));
+}
+
+// Two pools serve two models: their launches are told apart, and a pool's launch series exist at
+// zero from AddPool on (so rate() over them starts with the first scrape).
+TEST(MetricsTest, LaunchSeriesArePerPool) {
+  Metrics m("v", "cpu", "d");
+  m.AddPool("gqa", 10);
+  m.AddPool("mla", 10);
+  const std::string idle = m.Scrape();
+  for (const char* pool : {"gqa", "mla"}) {
+    for (const char* op : {"prefill", "decode"}) {
+      const std::string labels = absl::StrCat(R"({op=")", op, R"(",pool=")", pool, R"("})");
+      for (const char* series :
+           {"attn_queue_wait_seconds_count", "attn_kernel_duration_seconds_count",
+            "attn_batch_requests_count", "attn_batch_tokens_count"}) {
+        EXPECT_TRUE(Has(idle, absl::StrCat(series, labels, " 0"))) << series << labels;
+      }
+      EXPECT_TRUE(Has(idle, absl::StrCat(R"(attn_launch_stage_seconds_count{op=")", op,
+                                         R"(",pool=")", pool, R"(",stage="execute"} 0)")));
+    }
+  }
+  LaunchStats stats;
+  stats.compute = absl::Milliseconds(1);
+  m.OnLaunch("mla", Op::kPrefill, 2, 100, stats);
+  m.OnQueueWait("mla", Op::kPrefill, absl::Microseconds(9));
+  m.OnQueueWait("mla", Op::kPrefill, absl::Microseconds(9));
+  m.OnLaunch("gqa", Op::kPrefill, 1, 7, stats);
+  m.OnQueueWait("gqa", Op::kPrefill, absl::Microseconds(9));
+  const std::string text = m.Scrape();
+  EXPECT_TRUE(Has(text, R"(attn_batch_tokens_sum{op="prefill",pool="mla"} 100)")) << text;
+  EXPECT_TRUE(Has(text, R"(attn_batch_tokens_sum{op="prefill",pool="gqa"} 7)"));
+  EXPECT_TRUE(Has(text, R"(attn_queue_wait_seconds_count{op="prefill",pool="mla"} 2)"));
+  EXPECT_TRUE(Has(text, R"(attn_queue_wait_seconds_count{op="prefill",pool="gqa"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_kernel_duration_seconds_count{op="decode",pool="mla"} 0)"));
+  // A latency histogram of a pool has the same exact bounds as every other.
+  EXPECT_EQ(Bounds(text, R"(attn_kernel_duration_seconds_bucket{op="prefill",pool="mla",)").size(),
+            21u);
 }
 
 TEST(MetricsTest, ServesOnAFreePort) {

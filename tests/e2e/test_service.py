@@ -96,13 +96,16 @@ def test_metrics_are_exported_and_move(private) -> None:
     assert sample(text, "attn_page_alloc_failures_total", pool=POOL) == 1
     assert sample(text, "attn_kv_pages", pool=POOL, state="used") == used > 0
     assert sample(text, "attn_kv_pages_capacity", pool=POOL) == pool.total_pages
-    assert sample(text, "attn_batch_requests_count", op="prefill") == 1
-    assert sample(text, "attn_batch_tokens_sum", op="prefill") == 57
-    assert sample(text, "attn_kernel_duration_seconds_count", op="decode") == 1
-    assert sample(text, "attn_queue_wait_seconds_count", op="decode") == 1
+    # Launch histograms are per pool and op.
+    assert sample(text, "attn_batch_requests_count", pool=POOL, op="prefill") == 1
+    assert sample(text, "attn_batch_tokens_sum", pool=POOL, op="prefill") == 57
+    assert sample(text, "attn_kernel_duration_seconds_count", pool=POOL, op="decode") == 1
+    assert sample(text, "attn_queue_wait_seconds_count", pool=POOL, op="decode") == 1
     for stage in ("prepare", "execute", "finish"):
-        assert sample(text, "attn_launch_stage_seconds_count", op="decode", stage=stage) == 1
-    assert sample(text, "attn_launch_stage_seconds_sum", op="decode", stage="execute") > 0
+        assert sample(text, "attn_launch_stage_seconds_count", pool=POOL, op="decode",
+                      stage=stage) == 1  # fmt: skip
+    assert sample(text, "attn_launch_stage_seconds_sum", pool=POOL, op="decode",
+                  stage="execute") > 0  # fmt: skip
     assert sample(text, "attn_transfer_bytes_total", direction="in") > 0
     assert sample(text, "attn_transfer_bytes_total", direction="out") > 0
     assert sample(text, "attn_inflight_requests") == 0
