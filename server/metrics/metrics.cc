@@ -1,6 +1,7 @@
 #include "server/metrics/metrics.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -37,6 +38,7 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
 Metrics::Metrics(const std::string& version, const std::string& backend, const std::string& device)
     : registry_(std::make_shared<prometheus::Registry>()),
+      process_(std::make_shared<ProcessCollector>()),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("attn_rpc_duration_seconds")
                         .Help("Server-side time from a call's arrival to its completion")
@@ -125,12 +127,15 @@ absl::StatusOr<int> Metrics::Serve(const std::string& host, int port) {
         absl::StrCat("cannot serve metrics on ", host, ":", port, ": ", e.what()));
   }
   exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(process_);
   const std::vector<int> ports = exposer_->GetListeningPorts();
   return ports.empty() ? port : ports.front();
 }
 
 std::string Metrics::Scrape() const {
-  return prometheus::TextSerializer().Serialize(registry_->Collect());
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (prometheus::MetricFamily& f : process_->Collect()) families.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 void Metrics::OnRpc(const char* method, const absl::Status& status, absl::Duration duration) {

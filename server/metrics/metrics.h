@@ -5,7 +5,7 @@
 // client or sequence id). Launch histograms (queue wait, kernel time, launch stages, batch sizes)
 // are labelled by pool and op: a server with a GQA and an MLA pool serves two models. Latency
 // histograms use 1-2-5 buckets from 5 microseconds to 10 seconds; batch-size histograms use powers
-// of two.
+// of two. The standard process_* families (memory, descriptors, CPU time, start time) come along.
 // Thread safe.
 #pragma once
 
@@ -26,6 +26,7 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/engine/batcher.h"
+#include "server/metrics/process_collector.h"
 
 namespace attn {
 
@@ -38,7 +39,8 @@ class Metrics final : public BatchObserver {
   // requests are served at once (8 more connections wait), each given 2 s to arrive.
   absl::StatusOr<int> Serve(const std::string& host, int port);
 
-  // The text exposition (what a scrape returns), for tests and debugging.
+  // The text exposition (what a scrape returns, process_* families included), for tests and
+  // debugging.
   std::string Scrape() const;
 
   // One finished RPC (server-side end to end) and, when it failed, why.
@@ -75,7 +77,8 @@ class Metrics final : public BatchObserver {
   OpMetrics LaunchSeries(const std::string& pool, Op op) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::shared_ptr<prometheus::Registry> registry_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<ProcessCollector> process_;
+  std::unique_ptr<prometheus::Exposer> exposer_;  // after what it serves: destroyed first
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
   prometheus::Family<prometheus::Counter>& rpc_requests_;
   prometheus::Family<prometheus::Counter>& request_errors_;

@@ -37,7 +37,9 @@ TEST(MetricsTest, ExposesEveryFamilyWithItsType) {
        {"# TYPE attn_queue_wait_seconds histogram", "# TYPE attn_kernel_duration_seconds histogram",
         "# TYPE attn_launch_stage_seconds histogram", "# TYPE attn_batch_requests histogram",
         "# TYPE attn_batch_tokens histogram", "# TYPE attn_transfer_bytes_total counter",
-        "# TYPE attn_inflight_requests gauge", "# TYPE attn_build_info gauge"}) {
+        "# TYPE attn_inflight_requests gauge", "# TYPE attn_build_info gauge",
+        "# TYPE process_cpu_seconds_total counter", "# TYPE process_resident_memory_bytes gauge",
+        "# TYPE process_open_fds gauge", "# TYPE process_start_time_seconds gauge"}) {
     EXPECT_TRUE(Has(text, family)) << family;
   }
   EXPECT_TRUE(Has(text, R"(attn_build_info{backend="cpu",device="test device",version="1.2.3"} 1)"))

@@ -64,6 +64,13 @@ FAMILIES = {
     "attn_transfer_bytes_total": "counter",
     "attn_inflight_requests": "gauge",
     "attn_build_info": "gauge",
+    # The standard process families, from /proc/self.
+    "process_cpu_seconds_total": "counter",
+    "process_start_time_seconds": "gauge",
+    "process_resident_memory_bytes": "gauge",
+    "process_virtual_memory_bytes": "gauge",
+    "process_open_fds": "gauge",
+    "process_max_fds": "gauge",
 }
 
 
@@ -110,6 +117,9 @@ def test_metrics_are_exported_and_move(private) -> None:
     assert sample(text, "attn_transfer_bytes_total", direction="out") > 0
     assert sample(text, "attn_inflight_requests") == 0
     assert sample(text, "attn_build_info", version="0.1.0") == 1
+    assert sample(text, "process_resident_memory_bytes") > 0
+    assert 0 < sample(text, "process_open_fds") <= sample(text, "process_max_fds")
+    assert time.time() - 3600 < sample(text, "process_start_time_seconds") <= time.time() + 1
 
     promtool = shutil.which("promtool")
     if promtool is None:
