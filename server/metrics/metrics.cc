@@ -138,6 +138,11 @@ std::string Metrics::Scrape() const {
   return prometheus::TextSerializer().Serialize(families);
 }
 
+void Metrics::AddMethod(const std::string& method) {
+  rpc_requests_.Add({{"method", method}, {"code", CodeName(absl::StatusCode::kOk)}});
+  request_errors_.Add({{"method", method}, {"reason", CodeName(absl::StatusCode::kInternal)}});
+}
+
 void Metrics::OnRpc(const char* method, const absl::Status& status, absl::Duration duration) {
   const std::string code = CodeName(status.code());
   rpc_duration_.Add({{"method", method}, {"code", code}}, LatencyBuckets())

@@ -43,6 +43,11 @@ class Metrics final : public BatchObserver {
   // debugging.
   std::string Scrape() const;
 
+  // Creates a method's count of successful calls and of INTERNAL failures at zero: a healthy
+  // server then shows 0 (not "no data") on the dashboard, and increase() sees the first
+  // internal error, which a series born at 1 would hide.
+  void AddMethod(const std::string& method);
+
   // One finished RPC (server-side end to end) and, when it failed, why.
   void OnRpc(const char* method, const absl::Status& status, absl::Duration duration);
   void OnRpcStarted() { inflight_.Increment(); }

@@ -46,6 +46,18 @@ TEST(MetricsTest, ExposesEveryFamilyWithItsType) {
       << text;
 }
 
+TEST(MetricsTest, MethodsStartAtZero) {
+  Metrics m("v", "cpu", "d");
+  m.AddMethod("Decode");
+  std::string text = m.Scrape();
+  EXPECT_TRUE(Has(text, R"(attn_rpc_requests_total{code="ok",method="Decode"} 0)")) << text;
+  EXPECT_TRUE(Has(text, R"(attn_request_errors_total{method="Decode",reason="internal"} 0)"));
+  m.OnRpc("Decode", absl::InternalError("device"), absl::Microseconds(3));
+  text = m.Scrape();
+  EXPECT_TRUE(Has(text, R"(attn_request_errors_total{method="Decode",reason="internal"} 1)"));
+  EXPECT_TRUE(Has(text, R"(attn_rpc_requests_total{code="internal",method="Decode"} 1)"));
+}
+
 TEST(MetricsTest, RpcsCountAndTime) {
   Metrics m("v", "cpu", "d");
   m.OnRpcStarted();

@@ -117,6 +117,10 @@ def test_metrics_are_exported_and_move(private) -> None:
     assert sample(text, "attn_transfer_bytes_total", direction="out") > 0
     assert sample(text, "attn_inflight_requests") == 0
     assert sample(text, "attn_build_info", version="0.1.0") == 1
+    # Every method's success and internal-error counts exist from the start, at 0 until they move.
+    for method in pb.DESCRIPTOR.services_by_name["AttentionService"].methods_by_name:
+        assert f'attn_request_errors_total{{method="{method}",reason="internal"}} 0' in text
+        assert f'attn_rpc_requests_total{{code="ok",method="{method}"}}' in text
     assert sample(text, "process_resident_memory_bytes") > 0
     assert 0 < sample(text, "process_open_fds") <= sample(text, "process_max_fds")
     assert time.time() - 3600 < sample(text, "process_start_time_seconds") <= time.time() + 1
