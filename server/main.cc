@@ -25,6 +25,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "google/protobuf/descriptor.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -197,6 +198,10 @@ int Run() {
     return 1;
   }
   Metrics metrics(kVersion, (*backend)->name(), (*backend)->device());
+  // Every method of the API, from its descriptor: their zero series (metrics.h) cover them all.
+  const google::protobuf::ServiceDescriptor* api =
+      v1::GetServerInfoRequest::descriptor()->file()->FindServiceByName("AttentionService");
+  for (int i = 0; i < api->method_count(); ++i) metrics.AddMethod(api->method(i)->name());
   // A new epoch every start: session handles of an earlier run are recognized as such.
   const uint64_t epoch = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
   absl::StatusOr<std::unique_ptr<Engine>> engine =

@@ -16,12 +16,16 @@ REQUIRED_PANELS = [
     "Calls by method and code",
     "Errors by method and code",
     "Call latency by method (p50, p90, p99)",
-    "Queue wait, kernel time and launch stages by op",
-    "Calls per launch by op",
-    "Query tokens per launch by op",
+    "Queue wait, kernel time and launch stages by pool and op",
+    "Calls per launch by pool and op",
+    "Query tokens per launch by pool and op",
     "Pool usage by server and pool",
     "Transfer bytes by direction",
     "Internal (CUDA) errors and restarts",
+    "Resident memory by server",
+    "Open file descriptors by server",
+    "CPU by server",
+    "Uptime by server",
 ]
 
 

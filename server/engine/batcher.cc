@@ -29,10 +29,11 @@ void Drop(PendingCall& call, const absl::Status& status) {
 
 }  // namespace
 
-Batcher::Batcher(std::string name, Op op, std::unique_ptr<Lane> lane, BatchingOptions options,
+Batcher::Batcher(std::string pool, Op op, std::unique_ptr<Lane> lane, BatchingOptions options,
                  BatchObserver* observer)
-    : name_(std::move(name)),
+    : pool_(std::move(pool)),
       op_(op),
+      name_(absl::StrCat(pool_, "/", OpName(op))),
       lane_(std::move(lane)),
       options_(options),
       observer_(observer),
@@ -168,7 +169,7 @@ void Batcher::Launch(std::vector<std::unique_ptr<PendingCall>> batch) {
   int tokens = 0;
   for (const AttentionCall* c : calls) tokens += c->total_q;
   if (observer_) {
-    for (const auto& p : live) observer_->OnQueueWait(op_, now - p->enqueued);
+    for (const auto& p : live) observer_->OnQueueWait(pool_, op_, now - p->enqueued);
   }
   absl::StatusOr<LaunchStats> stats = lane_->Run(absl::MakeConstSpan(calls));
   {
@@ -177,7 +178,7 @@ void Batcher::Launch(std::vector<std::unique_ptr<PendingCall>> batch) {
     last_launch_ = absl::Now() - now;
   }
   if (stats.ok() && observer_) {
-    observer_->OnLaunch(op_, static_cast<int>(calls.size()), tokens, *stats);
+    observer_->OnLaunch(pool_, op_, static_cast<int>(calls.size()), tokens, *stats);
   }
   for (const auto& p : live) {
     CallReport report;

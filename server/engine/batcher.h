@@ -46,12 +46,14 @@ struct CallReport {
   absl::Duration retry_after = absl::ZeroDuration();
 };
 
-// Observes every launch (metrics); called on the batcher thread.
+// Observes every launch (metrics); called on the batcher thread. `pool` is the batcher's pool
+// name (one of the configured pools, so a bounded label).
 class BatchObserver {
  public:
   virtual ~BatchObserver() = default;
-  virtual void OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) = 0;
-  virtual void OnQueueWait(Op op, absl::Duration wait) = 0;
+  virtual void OnLaunch(const std::string& pool, Op op, int requests, int tokens,
+                        const LaunchStats& stats) = 0;
+  virtual void OnQueueWait(const std::string& pool, Op op, absl::Duration wait) = 0;
 };
 
 struct PendingCall {
@@ -66,8 +68,8 @@ struct PendingCall {
 
 class Batcher {
  public:
-  // `observer` may be null; it must outlive the batcher.
-  Batcher(std::string name, Op op, std::unique_ptr<Lane> lane, BatchingOptions options,
+  // Serves calls of `op` on pool `pool`. `observer` may be null; it must outlive the batcher.
+  Batcher(std::string pool, Op op, std::unique_ptr<Lane> lane, BatchingOptions options,
           BatchObserver* observer);
   ~Batcher();  // Stop()s
 
@@ -97,8 +99,9 @@ class Batcher {
   void Launch(std::vector<std::unique_ptr<PendingCall>> batch);
   void FailQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const std::string name_;
+  const std::string pool_;
   const Op op_;
+  const std::string name_;  // "pool/op", for messages
   const std::unique_ptr<Lane> lane_;
   const BatchingOptions options_;
   BatchObserver* const observer_;

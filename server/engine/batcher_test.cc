@@ -4,8 +4,10 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
@@ -41,6 +43,28 @@ class RecordingLane final : public Lane {
   Shared* shared_;
 };
 
+// Records what the batcher reports, as "pool/op what".
+class RecordingObserver final : public BatchObserver {
+ public:
+  void OnLaunch(const std::string& pool, Op op, int requests, int tokens,
+                const LaunchStats&) override {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(absl::StrCat(pool, "/", OpName(op), " launch ", requests, " ", tokens));
+  }
+  void OnQueueWait(const std::string& pool, Op op, absl::Duration) override {
+    absl::MutexLock lock(&mu_);
+    events_.push_back(absl::StrCat(pool, "/", OpName(op), " wait"));
+  }
+  std::vector<std::string> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
+};
+
 struct Outcome {
   absl::Notification done;
   absl::Status status;
@@ -64,9 +88,9 @@ std::unique_ptr<PendingCall> MakeCall(int tag, Outcome* outcome, int tokens = 1,
 
 class BatcherTest : public ::testing::Test {
  protected:
-  std::unique_ptr<Batcher> Start(BatchingOptions options) {
+  std::unique_ptr<Batcher> Start(BatchingOptions options, BatchObserver* observer = nullptr) {
     return std::make_unique<Batcher>("test", Op::kDecode, std::make_unique<RecordingLane>(&shared_),
-                                     options, nullptr);
+                                     options, observer);
   }
   void Hold(bool hold) {
     absl::MutexLock lock(&shared_.mu);
@@ -88,6 +112,18 @@ class BatcherTest : public ::testing::Test {
   RecordingLane::Shared shared_;
 };
 
+// The observer hears of every launch with the batcher's pool, which labels the pool's metrics.
+TEST_F(BatcherTest, ObserverHearsThePoolOfEachLaunch) {
+  RecordingObserver observer;
+  auto b = Start(BatchingOptions{}, &observer);
+  Outcome out;
+  ASSERT_TRUE(b->Submit(MakeCall(1, &out, /*tokens=*/5)).ok());
+  ASSERT_TRUE(out.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  // Both are reported before the call completes.
+  EXPECT_EQ(observer.events(),
+            (std::vector<std::string>{"test/decode wait", "test/decode launch 1 5"}));
+}
+
 TEST_F(BatcherTest, LoneCallWaitsAtMostTheDelay) {
   BatchingOptions o;
   o.max_queue_delay = absl::Milliseconds(20);
@@ -97,7 +133,7 @@ TEST_F(BatcherTest, LoneCallWaitsAtMostTheDelay) {
   ASSERT_TRUE(out.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
   EXPECT_TRUE(out.status.ok());
   const absl::Duration wait = out.report.launched - out.report.enqueued;
-  EXPECT_GE(wait, absl::Milliseconds(19));  // it did wait for company...
+  EXPECT_GE(wait, absl::Milliseconds(19));                            // it did wait for company...
   EXPECT_LE(wait, absl::Milliseconds(20) + absl::Milliseconds(200));  // ...and not much longer
   EXPECT_EQ(out.report.batch_requests, 1);
 }

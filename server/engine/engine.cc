@@ -31,8 +31,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     std::unique_ptr<Pool> pool(new Pool(std::move(g), page_observer));
     for (Op op : {Op::kPrefill, Op::kDecode}) {
       ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, engine->backend_->CreateLane(index, op));
-      auto batcher = std::make_unique<Batcher>(absl::StrCat(pool->geometry.name, "/", OpName(op)),
-                                               op, std::move(lane), batching, batch_observer);
+      auto batcher = std::make_unique<Batcher>(pool->geometry.name, op, std::move(lane), batching,
+                                               batch_observer);
       (op == Op::kPrefill ? pool->prefill_ : pool->decode_) = std::move(batcher);
     }
     if (page_observer) page_observer->OnPoolAdded(pool->geometry.name, pool->total_pages());

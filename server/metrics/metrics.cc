@@ -1,6 +1,7 @@
 #include "server/metrics/metrics.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -12,17 +13,12 @@ namespace {
 
 using prometheus::Histogram;
 
-// 5 us .. 10 s in a 1-2-5 series.
+// 5 us .. 10 s in a 1-2-5 series, written as literals: each is the double nearest its decimal,
+// so the exposition prints le="0.0001" (a computed 1e-6 * 10 * 10 prints 9.999999999999999e-05,
+// which an le="0.0001" query never finds).
 Histogram::BucketBoundaries LatencyBuckets() {
-  Histogram::BucketBoundaries b;
-  for (double decade = 1e-6; decade < 10; decade *= 10) {
-    for (double m : {1.0, 2.0, 5.0}) {
-      const double v = m * decade;
-      if (v >= 5e-6 - 1e-12 && v <= 10 + 1e-9) b.push_back(v);
-    }
-  }
-  b.push_back(10);
-  return b;
+  return {5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
+          0.01, 0.02, 0.05, 0.1,  0.2,  0.5,  1,    2,    5,    10};
 }
 
 // 1, 2, 4, ... up to `max`.
@@ -40,9 +36,9 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
 }  // namespace
 
-Metrics::Metrics(const std::string& version, const std::string& backend,
-                 const std::string& device)
+Metrics::Metrics(const std::string& version, const std::string& backend, const std::string& device)
     : registry_(std::make_shared<prometheus::Registry>()),
+      process_(std::make_shared<ProcessCollector>()),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("attn_rpc_duration_seconds")
                         .Help("Server-side time from a call's arrival to its completion")
@@ -81,41 +77,28 @@ Metrics::Metrics(const std::string& version, const std::string& backend,
                     .Name("attn_inflight_requests")
                     .Help("Calls received and not yet finished")
                     .Register(*registry_)
-                    .Add({})) {
-  auto& queue_wait = prometheus::BuildHistogram()
-                         .Name("attn_queue_wait_seconds")
-                         .Help("Time a call waited in its batcher's queue")
-                         .Register(*registry_);
-  auto& kernel = prometheus::BuildHistogram()
-                     .Name("attn_kernel_duration_seconds")
-                     .Help("Append + attention time of a launch (device time on the GPU)")
-                     .Register(*registry_);
-  auto& stage = prometheus::BuildHistogram()
-                    .Name("attn_launch_stage_seconds")
-                    .Help("Time of each stage of a launch: prepare (merge, plan, gather inputs), "
-                          "execute (copies and kernels), finish (write outputs)")
-                    .Register(*registry_);
-  auto& batch_requests = prometheus::BuildHistogram()
-                             .Name("attn_batch_requests")
-                             .Help("Calls merged into one launch")
-                             .Register(*registry_);
-  auto& batch_tokens = prometheus::BuildHistogram()
-                           .Name("attn_batch_tokens")
-                           .Help("Query tokens in one launch")
-                           .Register(*registry_);
-  for (Op op : {Op::kPrefill, Op::kDecode}) {
-    const prometheus::Labels labels{{"op", OpName(op)}};
-    auto stage_series = [&](const char* name) {
-      return &stage.Add({{"op", OpName(op)}, {"stage", name}}, LatencyBuckets());
-    };
-    ops_[static_cast<int>(op)] = OpMetrics{&queue_wait.Add(labels, LatencyBuckets()),
-                                           &kernel.Add(labels, LatencyBuckets()),
-                                           stage_series("prepare"),
-                                           stage_series("execute"),
-                                           stage_series("finish"),
-                                           &batch_requests.Add(labels, PowersOfTwo(1024)),
-                                           &batch_tokens.Add(labels, PowersOfTwo(1 << 20))};
-  }
+                    .Add({})),
+      queue_wait_(prometheus::BuildHistogram()
+                      .Name("attn_queue_wait_seconds")
+                      .Help("Time a call waited in its batcher's queue")
+                      .Register(*registry_)),
+      kernel_(prometheus::BuildHistogram()
+                  .Name("attn_kernel_duration_seconds")
+                  .Help("Append + attention time of a launch (device time on the GPU)")
+                  .Register(*registry_)),
+      stage_(prometheus::BuildHistogram()
+                 .Name("attn_launch_stage_seconds")
+                 .Help("Time of each stage of a launch: prepare (merge, plan, gather inputs), "
+                       "execute (copies and kernels), finish (write outputs)")
+                 .Register(*registry_)),
+      batch_requests_(prometheus::BuildHistogram()
+                          .Name("attn_batch_requests")
+                          .Help("Calls merged into one launch")
+                          .Register(*registry_)),
+      batch_tokens_(prometheus::BuildHistogram()
+                        .Name("attn_batch_tokens")
+                        .Help("Query tokens in one launch")
+                        .Register(*registry_)) {
   prometheus::BuildGauge()
       .Name("attn_build_info")
       .Help("Version, backend and device of this server (value 1)")
@@ -144,12 +127,20 @@ absl::StatusOr<int> Metrics::Serve(const std::string& host, int port) {
         absl::StrCat("cannot serve metrics on ", host, ":", port, ": ", e.what()));
   }
   exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(process_);
   const std::vector<int> ports = exposer_->GetListeningPorts();
   return ports.empty() ? port : ports.front();
 }
 
 std::string Metrics::Scrape() const {
-  return prometheus::TextSerializer().Serialize(registry_->Collect());
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (prometheus::MetricFamily& f : process_->Collect()) families.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+void Metrics::AddMethod(const std::string& method) {
+  rpc_requests_.Add({{"method", method}, {"code", CodeName(absl::StatusCode::kOk)}});
+  request_errors_.Add({{"method", method}, {"reason", CodeName(absl::StatusCode::kInternal)}});
 }
 
 void Metrics::OnRpc(const char* method, const absl::Status& status, absl::Duration duration) {
@@ -160,7 +151,35 @@ void Metrics::OnRpc(const char* method, const absl::Status& status, absl::Durati
   if (!status.ok()) request_errors_.Add({{"method", method}, {"reason", code}}).Increment();
 }
 
+Metrics::OpMetrics Metrics::LaunchSeries(const std::string& pool, Op op) {
+  const int index = static_cast<int>(op);
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    auto it = pools_.find(pool);
+    if (it != pools_.end()) return it->second[index];
+  }
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = pools_.try_emplace(pool);
+  if (inserted) {
+    for (Op o : {Op::kPrefill, Op::kDecode}) {
+      const prometheus::Labels labels{{"pool", pool}, {"op", OpName(o)}};
+      auto stage = [&](const char* name) {
+        return &stage_.Add({{"pool", pool}, {"op", OpName(o)}, {"stage", name}}, LatencyBuckets());
+      };
+      it->second[static_cast<int>(o)] = OpMetrics{&queue_wait_.Add(labels, LatencyBuckets()),
+                                                  &kernel_.Add(labels, LatencyBuckets()),
+                                                  stage("prepare"),
+                                                  stage("execute"),
+                                                  stage("finish"),
+                                                  &batch_requests_.Add(labels, PowersOfTwo(1024)),
+                                                  &batch_tokens_.Add(labels, PowersOfTwo(1 << 20))};
+    }
+  }
+  return it->second[index];
+}
+
 void Metrics::AddPool(const std::string& pool, int total_pages) {
+  LaunchSeries(pool, Op::kDecode);  // creates the launch series of both ops
   alloc_failures_.Add({{"pool", pool}});
   pages_reclaimed_.Add({{"pool", pool}});
   SetPoolPages(pool, total_pages, total_pages);
@@ -183,8 +202,9 @@ void Metrics::OnPageChange(const PageChange& change) {
   }
 }
 
-void Metrics::OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats) {
-  const OpMetrics& m = ops_[static_cast<int>(op)];
+void Metrics::OnLaunch(const std::string& pool, Op op, int requests, int tokens,
+                       const LaunchStats& stats) {
+  const OpMetrics m = LaunchSeries(pool, op);
   m.kernel->Observe(Seconds(stats.compute));
   m.prepare->Observe(Seconds(stats.prepare));
   m.execute->Observe(Seconds(stats.execute));
@@ -195,8 +215,8 @@ void Metrics::OnLaunch(Op op, int requests, int tokens, const LaunchStats& stats
   bytes_out_.Increment(static_cast<double>(stats.bytes_out));
 }
 
-void Metrics::OnQueueWait(Op op, absl::Duration wait) {
-  ops_[static_cast<int>(op)].queue_wait->Observe(Seconds(wait));
+void Metrics::OnQueueWait(const std::string& pool, Op op, absl::Duration wait) {
+  LaunchSeries(pool, op).queue_wait->Observe(Seconds(wait));
 }
 
 }  // namespace attn

@@ -64,6 +64,13 @@ FAMILIES = {
     "attn_transfer_bytes_total": "counter",
     "attn_inflight_requests": "gauge",
     "attn_build_info": "gauge",
+    # The standard process families, from /proc/self.
+    "process_cpu_seconds_total": "counter",
+    "process_start_time_seconds": "gauge",
+    "process_resident_memory_bytes": "gauge",
+    "process_virtual_memory_bytes": "gauge",
+    "process_open_fds": "gauge",
+    "process_max_fds": "gauge",
 }
 
 
@@ -96,17 +103,27 @@ def test_metrics_are_exported_and_move(private) -> None:
     assert sample(text, "attn_page_alloc_failures_total", pool=POOL) == 1
     assert sample(text, "attn_kv_pages", pool=POOL, state="used") == used > 0
     assert sample(text, "attn_kv_pages_capacity", pool=POOL) == pool.total_pages
-    assert sample(text, "attn_batch_requests_count", op="prefill") == 1
-    assert sample(text, "attn_batch_tokens_sum", op="prefill") == 57
-    assert sample(text, "attn_kernel_duration_seconds_count", op="decode") == 1
-    assert sample(text, "attn_queue_wait_seconds_count", op="decode") == 1
+    # Launch histograms are per pool and op.
+    assert sample(text, "attn_batch_requests_count", pool=POOL, op="prefill") == 1
+    assert sample(text, "attn_batch_tokens_sum", pool=POOL, op="prefill") == 57
+    assert sample(text, "attn_kernel_duration_seconds_count", pool=POOL, op="decode") == 1
+    assert sample(text, "attn_queue_wait_seconds_count", pool=POOL, op="decode") == 1
     for stage in ("prepare", "execute", "finish"):
-        assert sample(text, "attn_launch_stage_seconds_count", op="decode", stage=stage) == 1
-    assert sample(text, "attn_launch_stage_seconds_sum", op="decode", stage="execute") > 0
+        assert sample(text, "attn_launch_stage_seconds_count", pool=POOL, op="decode",
+                      stage=stage) == 1  # fmt: skip
+    assert sample(text, "attn_launch_stage_seconds_sum", pool=POOL, op="decode",
+                  stage="execute") > 0  # fmt: skip
     assert sample(text, "attn_transfer_bytes_total", direction="in") > 0
     assert sample(text, "attn_transfer_bytes_total", direction="out") > 0
     assert sample(text, "attn_inflight_requests") == 0
     assert sample(text, "attn_build_info", version="0.1.0") == 1
+    # Every method's success and internal-error counts exist from the start, at 0 until they move.
+    for method in pb.DESCRIPTOR.services_by_name["AttentionService"].methods_by_name:
+        assert f'attn_request_errors_total{{method="{method}",reason="internal"}} 0' in text
+        assert f'attn_rpc_requests_total{{code="ok",method="{method}"}}' in text
+    assert sample(text, "process_resident_memory_bytes") > 0
+    assert 0 < sample(text, "process_open_fds") <= sample(text, "process_max_fds")
+    assert time.time() - 3600 < sample(text, "process_start_time_seconds") <= time.time() + 1
 
     promtool = shutil.which("promtool")
     if promtool is None:
