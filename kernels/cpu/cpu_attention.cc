@@ -868,7 +868,7 @@ void ForEachAppendRow(const PagedBatch& b, int page_size, ThreadPool& pool, cons
     SeqExtent e = GetSeqExtent(b, page_size, seq);
     for (int row = r0; row < r1; ++row) {
       while (row >= e.q_begin + e.q_len) e = GetSeqExtent(b, page_size, ++seq);
-      const int pos = e.kv_len - e.q_len + (row - e.q_begin);
+      const int pos = AppendPosition(e, row - e.q_begin);
       if (pos < 0) continue;
       copy(row, e.layer, b.kv_indices[e.page_begin + pos / page_size], pos % page_size);
     }

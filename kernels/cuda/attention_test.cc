@@ -64,7 +64,7 @@ HostPageTable SampledTable(const HostPageTable& t, int page_size,
   s.kv_indptr.push_back(0);
   for (auto [b, i] : rows) {
     const int q_len = t.decode ? 1 : t.seqs[b].q_len;
-    const int vis = VisibleKeyCount(q_len, t.seqs[b].kv_len, i, causal);
+    const int vis = VisibleKeys(q_len, t.seqs[b].kv_len, i, causal);
     const int pages = (vis + page_size - 1) / page_size;
     for (int k = 0; k < pages; ++k) s.kv_indices.push_back(t.kv_indices[t.kv_indptr[b] + k]);
     s.kv_indptr.push_back(static_cast<int32_t>(s.kv_indices.size()));
