@@ -30,14 +30,13 @@ using testing::BatchOptions;
 using testing::DeviceBatch;
 using testing::SeqSpec;
 
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    const cudaError_t _err = (expr);                                                       \
-    if (_err != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr,                    \
-                   cudaGetErrorString(_err));                                              \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+#define CHECK_CUDA(expr)                                                                           \
+  do {                                                                                             \
+    const cudaError_t _err = (expr);                                                               \
+    if (_err != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(_err)); \
+      std::exit(1);                                                                                \
+    }                                                                                              \
   } while (0)
 
 struct Shape {
@@ -63,26 +62,25 @@ std::vector<SeqSpec> Uniform(int batch, int q_len, int kv_len) {
 std::vector<Shape> Shapes() {
   std::vector<Shape> s;
   for (int page : {1, 16, 64}) {
-    s.push_back({"gqa_decode_32/8_b64x4096_p" + std::to_string(page), false, 32, 8, 128, page,
-                 true, Uniform(64, 1, 4096)});
+    s.push_back({"gqa_decode_32/8_b64x4096_p" + std::to_string(page), false, 32, 8, 128, page, true,
+                 Uniform(64, 1, 4096)});
   }
   for (int page : {1, 16, 64}) {
-    s.push_back({"gqa_decode_32/8_b1x16384_p" + std::to_string(page), false, 32, 8, 128, page,
-                 true, Uniform(1, 1, 16384)});
+    s.push_back({"gqa_decode_32/8_b1x16384_p" + std::to_string(page), false, 32, 8, 128, page, true,
+                 Uniform(1, 1, 16384)});
   }
-  s.push_back({"gqa_decode_40/10_b128x2048_p16", false, 40, 10, 128, 16, true,
-               Uniform(128, 1, 2048)});
-  s.push_back({"gqa_prefill_32/8_8192_causal_p16", false, 32, 8, 128, 16, false,
-               Uniform(1, 8192, 8192)});
-  s.push_back({"gqa_prefill_32/8_4096_causal_p16", false, 32, 8, 128, 16, false,
-               Uniform(1, 4096, 4096)});
+  s.push_back(
+      {"gqa_decode_40/10_b128x2048_p16", false, 40, 10, 128, 16, true, Uniform(128, 1, 2048)});
+  s.push_back(
+      {"gqa_prefill_32/8_8192_causal_p16", false, 32, 8, 128, 16, false, Uniform(1, 8192, 8192)});
+  s.push_back(
+      {"gqa_prefill_32/8_4096_causal_p16", false, 32, 8, 128, 16, false, Uniform(1, 4096, 4096)});
   s.push_back({"gqa_prefill_40/10_8x512_on_1024_p16", false, 40, 10, 128, 16, false,
                Uniform(8, 512, 1536)});
   s.push_back({"gqa_prefill_20/4_1117_on_71488_p64", false, 20, 4, 128, 64, false,
                Uniform(1, 1117, 71488 + 1117)});
   s.push_back({"mla_decode_16h_b64x4096_p64", true, 16, 1, 0, 64, true, Uniform(64, 1, 4096)});
-  s.push_back({"mla_decode_128h_b128x4096_p64", true, 128, 1, 0, 64, true,
-               Uniform(128, 1, 4096)});
+  s.push_back({"mla_decode_128h_b128x4096_p64", true, 128, 1, 0, 64, true, Uniform(128, 1, 4096)});
   // MLA prefill: 6053 new tokens over 11 sequences (the published shape's token count).
   std::vector<SeqSpec> mla_prefill;
   std::mt19937 rng(11);
@@ -106,7 +104,7 @@ void Count(const Shape& s, double* flops, double* bytes) {
   *bytes = 0;
   for (const SeqSpec& q : s.seqs) {
     for (int i = 0; i < q.q_len; ++i) {
-      *flops += 2.0 * s.qo_heads * (q_dim + v_dim) * VisibleKeyCount(q.q_len, q.kv_len, i, true);
+      *flops += 2.0 * s.qo_heads * (q_dim + v_dim) * VisibleKeys(q.q_len, q.kv_len, i, true);
     }
     *bytes += q.kv_len * kv_row_bytes + q.q_len * s.qo_heads * (q_dim + v_dim) * 2.0;
   }
@@ -142,9 +140,9 @@ double CopyTbps(void* flush, size_t flush_bytes) {
   CHECK_CUDA(cudaMalloc(&a, bytes));
   CHECK_CUDA(cudaMalloc(&b, bytes));
   CHECK_CUDA(cudaMemset(a, 1, bytes));
-  const double us = TimeMedianUs(
-      [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 10, flush,
-      flush_bytes);
+  const double us =
+      TimeMedianUs([&] { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 10,
+                   flush, flush_bytes);
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
   return 2.0 * bytes / (us * 1e-6) / 1e12;
@@ -163,8 +161,8 @@ Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overri
     testing::MlaHostBatch h = testing::MakeMlaBatch({1, s.page_size, s.qo_heads}, s.seqs, o, rng);
     CHECK_CUDA(DeviceBatch::Create(h, &d, overrides));
   } else {
-    testing::GqaHostBatch h = testing::MakeGqaBatch(
-        {1, s.page_size, s.qo_heads, s.kv_heads, s.head_dim}, s.seqs, o, rng);
+    testing::GqaHostBatch h =
+        testing::MakeGqaBatch({1, s.page_size, s.qo_heads, s.kv_heads, s.head_dim}, s.seqs, o, rng);
     CHECK_CUDA(DeviceBatch::Create(h, &d, variant, overrides));
   }
   Result r;
@@ -172,8 +170,8 @@ Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overri
   r.variant = variant;
   r.items = d->plan().items.size();
   r.chunk_len = d->plan().chunk_len;
-  r.median_us = TimeMedianUs([&] { CHECK_CUDA(d->RunAttention(nullptr)); }, runs, flush,
-                             flush_bytes);
+  r.median_us =
+      TimeMedianUs([&] { CHECK_CUDA(d->RunAttention(nullptr)); }, runs, flush, flush_bytes);
   double flops, bytes;
   Count(s, &flops, &bytes);
   r.tflops = flops / (r.median_us * 1e-6) / 1e12;
@@ -188,11 +186,16 @@ int Main(int argc, char** argv) {
   testing::PlanOverrides overrides;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--json" && i + 1 < argc) json = argv[++i];
-    else if (a == "--filter" && i + 1 < argc) filter = argv[++i];
-    else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
-    else if (a == "--min_chunk" && i + 1 < argc) overrides.min_chunk_len = std::atoi(argv[++i]);
-    else if (a == "--waves" && i + 1 < argc) overrides.target_waves = std::atof(argv[++i]);
+    if (a == "--json" && i + 1 < argc)
+      json = argv[++i];
+    else if (a == "--filter" && i + 1 < argc)
+      filter = argv[++i];
+    else if (a == "--runs" && i + 1 < argc)
+      runs = std::atoi(argv[++i]);
+    else if (a == "--min_chunk" && i + 1 < argc)
+      overrides.min_chunk_len = std::atoi(argv[++i]);
+    else if (a == "--waves" && i + 1 < argc)
+      overrides.target_waves = std::atof(argv[++i]);
     else if (a == "--prefill_variants" && i + 1 < argc) {
       variants.clear();
       std::stringstream list(argv[++i]);
@@ -226,8 +229,8 @@ int Main(int argc, char** argv) {
     for (int v : has_variants ? variants : std::vector<int>{-1}) {
       Result r = Measure(s, v, overrides, runs, flush, flush_bytes);
       if (v > 0) r.shape.name += "_v" + std::to_string(v);
-      std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(),
-                  r.median_us, r.tflops, r.tbps, 100.0 * r.tbps / copy_tbps, r.items, r.chunk_len);
+      std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(), r.median_us,
+                  r.tflops, r.tbps, 100.0 * r.tbps / copy_tbps, r.items, r.chunk_len);
       std::fflush(stdout);
       results.push_back(r);
     }
@@ -237,9 +240,10 @@ int Main(int argc, char** argv) {
     f << "{\"device\": \"" << prop.name << "\", \"copy_tbps\": " << copy_tbps << ", \"shapes\": [";
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
-      f << (i ? ", " : "") << "{\"name\": \"" << r.shape.name << "\", \"median_us\": "
-        << r.median_us << ", \"tflops\": " << r.tflops << ", \"tbps\": " << r.tbps
-        << ", \"items\": " << r.items << ", \"chunk_len\": " << r.chunk_len << "}";
+      f << (i ? ", " : "") << "{\"name\": \"" << r.shape.name
+        << "\", \"median_us\": " << r.median_us << ", \"tflops\": " << r.tflops
+        << ", \"tbps\": " << r.tbps << ", \"items\": " << r.items
+        << ", \"chunk_len\": " << r.chunk_len << "}";
     }
     f << "]}\n";
   }

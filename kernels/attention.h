@@ -57,7 +57,8 @@ struct GqaCache {
   int head_dim = 0;
 
   ATTN_HOST_DEVICE int64_t TokenStride() const { return int64_t{num_kv_heads} * head_dim; }
-  ATTN_HOST_DEVICE int64_t PageStride() const { return 2 * page_size * TokenStride(); }  // K block then V block
+  // A page holds its K block, then its V block.
+  ATTN_HOST_DEVICE int64_t PageStride() const { return 2 * page_size * TokenStride(); }
   ATTN_HOST_DEVICE int64_t LayerStride() const { return num_pages * PageStride(); }
   ATTN_HOST_DEVICE int64_t NumElements() const { return num_layers * LayerStride(); }
 };
@@ -80,14 +81,14 @@ struct MlaCache {
 struct GqaParams {
   GqaCache cache;
   PagedBatch batch;
-  int num_qo_heads = 0;          // a multiple of cache.num_kv_heads
-  const bf16* q = nullptr;       // [total_q, num_qo_heads, head_dim]
-  const bf16* k_new = nullptr;   // [total_q, num_kv_heads, head_dim] or nullptr (no append)
-  const bf16* v_new = nullptr;   // [total_q, num_kv_heads, head_dim] or nullptr
-  bf16* out = nullptr;           // [total_q, num_qo_heads, head_dim]
-  float* lse = nullptr;          // [total_q, num_qo_heads] base-2, or nullptr
+  int num_qo_heads = 0;         // a multiple of cache.num_kv_heads
+  const bf16* q = nullptr;      // [total_q, num_qo_heads, head_dim]
+  const bf16* k_new = nullptr;  // [total_q, num_kv_heads, head_dim] or nullptr (no append)
+  const bf16* v_new = nullptr;  // [total_q, num_kv_heads, head_dim] or nullptr
+  bf16* out = nullptr;          // [total_q, num_qo_heads, head_dim]
+  float* lse = nullptr;         // [total_q, num_qo_heads] base-2, or nullptr
   float sm_scale = 0.f;
-  bool causal = true;            // bottom-right aligned; decode rows see every key either way
+  bool causal = true;  // bottom-right aligned; decode rows see every key either way
 };
 
 // One MLA prefill or decode launch.
@@ -107,7 +108,7 @@ struct MlaParams {
 
 // Sequence geometry derived from a PagedBatch (host or device code).
 struct SeqExtent {
-  int q_begin;   // first query row
+  int q_begin;  // first query row
   int q_len;
   int page_begin;  // offset into kv_indices
   int num_pages;
@@ -126,12 +127,30 @@ ATTN_HOST_DEVICE SeqExtent GetSeqExtent(const PagedBatch& b, int page_size, int 
   return e;
 }
 
-// First key index visible to no query row of the sequence is kv_len; query row i (0-based within
-// the sequence) sees keys [0, VisibleKeys(i)).
+// The causal rule (bottom-right aligned): query row `row` (0-based within a sequence of q_len
+// query rows and kv_len keys) sees keys [0, VisibleKeys), i.e. key j iff j <= row + kv_len - q_len;
+// without the mask, every key. Rows of a q_len > kv_len sequence that come before its first key
+// see none. The planners, the CUDA kernels and the CPU backend all ask this one function.
 ATTN_HOST_DEVICE int VisibleKeys(const SeqExtent& e, int row, bool causal) {
   if (!causal) return e.kv_len;
   const int v = row + 1 + e.kv_len - e.q_len;
   return v < 0 ? 0 : (v > e.kv_len ? e.kv_len : v);
+}
+
+// The same from the lengths alone (host planners and tests).
+ATTN_HOST_DEVICE int VisibleKeys(int q_len, int kv_len, int row, bool causal) {
+  SeqExtent e{};
+  e.q_len = q_len;
+  e.kv_len = kv_len;
+  return VisibleKeys(e, row, causal);
+}
+
+// Where an appended row goes: the new rows are the last q_len tokens of their sequence, so query
+// row `row` (0-based within the sequence) is written at token position kv_len - q_len + row.
+// Negative when q_len > kv_len and the row falls before the sequence's first token: such a row has
+// no cache slot and is not written.
+ATTN_HOST_DEVICE int AppendPosition(const SeqExtent& e, int row) {
+  return e.kv_len - e.q_len + row;
 }
 
 }  // namespace attn

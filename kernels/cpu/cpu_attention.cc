@@ -405,9 +405,11 @@ struct Launch {
   bool causal;
 };
 
-// Query vectors of an item are ordered (KV head, row, head within the group):
-// m = ((kv_head - kv_head_begin) * rows + (row - row_begin)) * group + g.
-struct WorkItem {
+// One work item of the CPU plan, run by one thread of the pool (not the CUDA planner's WorkItem,
+// kernels/cuda/plan.h, which is one CTA's share). Query vectors of an item are ordered (KV head,
+// row, head within the group): m = ((kv_head - kv_head_begin) * rows + (row - row_begin)) * group
+// + g.
+struct CpuTask {
   int seq;
   int kv_head_begin, kv_head_end;
   int row_begin, row_end;  // query rows within the sequence
@@ -428,7 +430,7 @@ struct Partials {
 
 struct Plan {
   std::vector<SeqExtent> seqs;
-  std::vector<WorkItem> items;
+  std::vector<CpuTask> items;
   Partials partials;
   std::vector<int> split_seqs;  // sequences whose rows need a merge
 };
@@ -504,15 +506,15 @@ Plan MakePlan(const Launch& L, ThreadPool& pool) {
 
     // Replace each item of a split sequence by one item per chunk it reaches into. A row's merge
     // later reads exactly the chunks that start below its visible end, all of which exist here.
-    std::vector<WorkItem> split;
+    std::vector<CpuTask> split;
     split.reserve(plan.items.size() * 2);
-    for (const WorkItem& it : plan.items) {
+    for (const CpuTask& it : plan.items) {
       if (part.base[it.seq] < 0) {
         split.push_back(it);
         continue;
       }
       for (int c = 0; c * chunk_len < it.key_end; ++c) {
-        WorkItem piece = it;
+        CpuTask piece = it;
         piece.chunk = c;
         piece.key_begin = c * chunk_len;
         piece.key_end = std::min(it.key_end, (c + 1) * chunk_len);
@@ -526,7 +528,7 @@ Plan MakePlan(const Launch& L, ThreadPool& pool) {
   // Largest items first, so that the dynamic schedule ends with small ones and threads finish
   // together.
   std::stable_sort(plan.items.begin(), plan.items.end(),
-                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+                   [](const CpuTask& a, const CpuTask& b) { return a.cost > b.cost; });
   return plan;
 }
 
@@ -541,14 +543,14 @@ struct VecPos {
   int head;
 };
 
-ATTN_CPU_INLINE VecPos PositionOf(const Launch& L, const WorkItem& it, int m) {
+ATTN_CPU_INLINE VecPos PositionOf(const Launch& L, const CpuTask& it, int m) {
   const int rows = it.row_end - it.row_begin;
   const int rest = m / L.group;
   return {it.row_begin + rest % rows, (it.kv_head_begin + rest / rows) * L.group + m % L.group};
 }
 
 template <int W>
-ATTN_CPU_INLINE void LoadQueries(const Launch& L, const SeqExtent& e, const WorkItem& it,
+ATTN_CPU_INLINE void LoadQueries(const Launch& L, const SeqExtent& e, const CpuTask& it,
                                  int num_vecs, float* __restrict__ q) {
   for (int m = 0; m < num_vecs; ++m) {
     const VecPos pos = PositionOf(L, it, m);
@@ -718,7 +720,7 @@ ATTN_CPU_INLINE void WriteOutput(const Launch& L, int64_t vec, const float* o, f
 }
 
 // Writes the item's results: final outputs, or the chunk's partial states for the merge.
-ATTN_CPU_INLINE void StoreResults(const Launch& L, const SeqExtent& e, const WorkItem& it,
+ATTN_CPU_INLINE void StoreResults(const Launch& L, const SeqExtent& e, const CpuTask& it,
                                   int num_vecs, const Scratch& s, Partials& partials) {
   for (int m = 0; m < num_vecs; ++m) {
     const VecPos pos = PositionOf(L, it, m);
@@ -737,7 +739,7 @@ ATTN_CPU_INLINE void StoreResults(const Launch& L, const SeqExtent& e, const Wor
 }
 
 template <int W>
-ATTN_CPU_INLINE void RunItem(const Launch& L, const SeqExtent& e, const WorkItem& it,
+ATTN_CPU_INLINE void RunItem(const Launch& L, const SeqExtent& e, const CpuTask& it,
                              Partials& partials) {
   Scratch& s = ThreadScratch();
   const int num_kv = it.kv_head_end - it.kv_head_begin;
@@ -782,7 +784,7 @@ ATTN_CPU_INLINE void RunItem(const Launch& L, const SeqExtent& e, const WorkItem
 }
 
 // One work item, with the vector width of this process (see LanesInUse).
-ATTN_CPU_MULTIVERSION void ProcessItem(const Launch& L, const SeqExtent& e, const WorkItem& it,
+ATTN_CPU_MULTIVERSION void ProcessItem(const Launch& L, const SeqExtent& e, const CpuTask& it,
                                        Partials& partials) {
   switch (LanesInUse()) {
     case 16:
@@ -830,7 +832,7 @@ void RunAttention(const Launch& L, ThreadPool& pool) {
   // Per item (a few microseconds at least), so the mode never outlives the kernels' own code.
   pool.ParallelFor(static_cast<int64_t>(plan.items.size()), [&](int64_t i) {
     const ScopedFlushSubnormals flush;
-    const WorkItem& it = plan.items[i];
+    const CpuTask& it = plan.items[i];
     ProcessItem(L, plan.seqs[it.seq], it, plan.partials);
   });
   if (plan.split_seqs.empty()) return;
@@ -868,7 +870,7 @@ void ForEachAppendRow(const PagedBatch& b, int page_size, ThreadPool& pool, cons
     SeqExtent e = GetSeqExtent(b, page_size, seq);
     for (int row = r0; row < r1; ++row) {
       while (row >= e.q_begin + e.q_len) e = GetSeqExtent(b, page_size, ++seq);
-      const int pos = e.kv_len - e.q_len + (row - e.q_begin);
+      const int pos = AppendPosition(e, row - e.q_begin);
       if (pos < 0) continue;
       copy(row, e.layer, b.kv_indices[e.page_begin + pos / page_size], pos % page_size);
     }

@@ -1,9 +1,11 @@
 // Appending new tokens' K/V (GQA) or ckv/kpe (MLA) into their page slots: one warp per new row,
-// 16-byte copies. Row r of sequence b is token kv_len - q_len + (r - q_begin) of that sequence.
+// 16-byte copies. Query row r of sequence b goes to token AppendPosition(seq, r - q_begin)
+// (kernels/attention.h), addressed through the same PagedRows as the attention kernels' reads.
 #include <cuda_runtime.h>
 
-#include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/api.h"
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/paged_kv.cuh"
 
 namespace attn::cuda {
 namespace {
@@ -17,16 +19,12 @@ __device__ int SequenceOfRow(const PagedBatch& batch, int row) {
   int lo = 0, hi = batch.batch_size - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (batch.qo_indptr[mid] <= row) lo = mid; else hi = mid - 1;
+    if (batch.qo_indptr[mid] <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
-}
-
-// Where token `pos` of the sequence lives: page and slot.
-__device__ int64_t TokenSlot(const PagedBatch& batch, const SeqExtent& seq, int page_size,
-                             int pos) {
-  const int page = batch.kv_indices[seq.page_begin + pos / page_size];
-  return int64_t{page} * page_size + pos % page_size;
 }
 
 __device__ void CopyRow(bf16* dst, const bf16* src, int elems, int lane) {
@@ -35,34 +33,41 @@ __device__ void CopyRow(bf16* dst, const bf16* src, int elems, int lane) {
   }
 }
 
+// The warp's query row, its sequence and the row's token position.
+struct AppendRow {
+  int row;
+  SeqExtent seq;
+  int pos;
+};
+
+// Finds the warp's row; false when the warp has none or the row has no slot (q_len > kv_len).
+__device__ __forceinline__ bool FindRow(const PagedBatch& batch, int page_size, AppendRow* r) {
+  r->row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
+  if (r->row >= batch.total_q) return false;
+  r->seq = GetSeqExtent(batch, page_size, SequenceOfRow(batch, r->row));
+  r->pos = AppendPosition(r->seq, r->row - r->seq.q_begin);
+  return r->pos >= 0;
+}
+
 __global__ void __launch_bounds__(kThreads) GqaAppendKernel(const GqaParams p) {
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
-  if (row >= p.batch.total_q) return;
+  AppendRow r;
+  if (!FindRow(p.batch, p.cache.page_size, &r)) return;
+  // Head 0's K row of the token spans every KV head's K; the V rows follow the page's K block.
+  const PagedRowsOf<bf16> rows = GqaKeyRows<bf16>(p.cache, p.batch, r.seq, 0);
+  bf16* k = rows.Row(r.pos);
+  const int elems = rows.token_stride;
   const int lane = threadIdx.x % 32;
-  const GqaCache& c = p.cache;
-  const int b = SequenceOfRow(p.batch, row);
-  const SeqExtent seq = GetSeqExtent(p.batch, c.page_size, b);
-  const int pos = seq.kv_len - seq.q_len + (row - seq.q_begin);
-  const int64_t slot = TokenSlot(p.batch, seq, c.page_size, pos);
-  const int64_t page = slot / c.page_size, in_page = slot % c.page_size;
-  bf16* k = c.data + seq.layer * c.LayerStride() + page * c.PageStride() + in_page * c.TokenStride();
-  const int elems = static_cast<int>(c.TokenStride());
-  CopyRow(k, p.k_new + int64_t{row} * elems, elems, lane);
-  CopyRow(k + c.page_size * c.TokenStride(), p.v_new + int64_t{row} * elems, elems, lane);
+  CopyRow(k, p.k_new + int64_t{r.row} * elems, elems, lane);
+  CopyRow(k + GqaValueOffset(p.cache), p.v_new + int64_t{r.row} * elems, elems, lane);
 }
 
 __global__ void __launch_bounds__(kThreads) MlaAppendKernel(const MlaParams p) {
-  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
-  if (row >= p.batch.total_q) return;
+  AppendRow r;
+  if (!FindRow(p.batch, p.cache.page_size, &r)) return;
+  bf16* dst = MlaRows<bf16>(p.cache, p.batch, r.seq).Row(r.pos);
   const int lane = threadIdx.x % 32;
-  const MlaCache& c = p.cache;
-  const int b = SequenceOfRow(p.batch, row);
-  const SeqExtent seq = GetSeqExtent(p.batch, c.page_size, b);
-  const int pos = seq.kv_len - seq.q_len + (row - seq.q_begin);
-  bf16* dst = c.data + seq.layer * c.LayerStride() +
-              TokenSlot(p.batch, seq, c.page_size, pos) * kMlaTokenDim;
-  CopyRow(dst, p.ckv_new + int64_t{row} * kMlaCkvDim, kMlaCkvDim, lane);
-  CopyRow(dst + kMlaCkvDim, p.kpe_new + int64_t{row} * kMlaKpeDim, kMlaKpeDim, lane);
+  CopyRow(dst, p.ckv_new + int64_t{r.row} * kMlaCkvDim, kMlaCkvDim, lane);
+  CopyRow(dst + kMlaCkvDim, p.kpe_new + int64_t{r.row} * kMlaKpeDim, kMlaKpeDim, lane);
 }
 
 int Blocks(int rows) { return (rows + kRowsPerBlock - 1) / kRowsPerBlock; }

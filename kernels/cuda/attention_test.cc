@@ -21,10 +21,10 @@
 namespace attn::testing {
 namespace {
 
-#define ASSERT_CUDA_OK(expr)                                                        \
-  do {                                                                              \
-    const cudaError_t _err = (expr);                                                \
-    ASSERT_EQ(_err, cudaSuccess) << #expr << ": " << cudaGetErrorString(_err);      \
+#define ASSERT_CUDA_OK(expr)                                                   \
+  do {                                                                         \
+    const cudaError_t _err = (expr);                                           \
+    ASSERT_EQ(_err, cudaSuccess) << #expr << ": " << cudaGetErrorString(_err); \
   } while (0)
 
 struct Case {
@@ -42,7 +42,8 @@ std::vector<SeqSpec> Decode(std::vector<int> kv_lens) {
 
 // Rows (sequence, row in sequence) to check: all of them, or a sample that always includes the
 // first and last row of the first and last sequence.
-std::vector<std::pair<int, int>> RowsToCheck(const HostPageTable& t, int sample, std::mt19937_64& rng) {
+std::vector<std::pair<int, int>> RowsToCheck(const HostPageTable& t, int sample,
+                                             std::mt19937_64& rng) {
   std::vector<std::pair<int, int>> rows;
   for (int b = 0; b < static_cast<int>(t.seqs.size()); ++b) {
     const int q_len = t.decode ? 1 : t.seqs[b].q_len;
@@ -64,7 +65,7 @@ HostPageTable SampledTable(const HostPageTable& t, int page_size,
   s.kv_indptr.push_back(0);
   for (auto [b, i] : rows) {
     const int q_len = t.decode ? 1 : t.seqs[b].q_len;
-    const int vis = VisibleKeyCount(q_len, t.seqs[b].kv_len, i, causal);
+    const int vis = VisibleKeys(q_len, t.seqs[b].kv_len, i, causal);
     const int pages = (vis + page_size - 1) / page_size;
     for (int k = 0; k < pages; ++k) s.kv_indices.push_back(t.kv_indices[t.kv_indptr[b] + k]);
     s.kv_indptr.push_back(static_cast<int32_t>(s.kv_indices.size()));
@@ -100,9 +101,10 @@ void ExpectResults(const std::vector<bf16>& out, const std::vector<float>& lse,
   std::string report;
   const int64_t bad_out =
       CompareBf16("out", out.data(), ref_out.data(), static_cast<int64_t>(ref_out.size()), &report);
-  const int64_t bad_lse = ref_lse.empty() ? 0
-                          : CompareFloat("lse", lse.data(), ref_lse.data(),
-                                         static_cast<int64_t>(ref_lse.size()), &report);
+  const int64_t bad_lse = ref_lse.empty()
+                              ? 0
+                              : CompareFloat("lse", lse.data(), ref_lse.data(),
+                                             static_cast<int64_t>(ref_lse.size()), &report);
   EXPECT_EQ(bad_out + bad_lse, 0) << report;
 }
 
@@ -170,8 +172,8 @@ void RunMla(const MlaGeometry& g, const Case& c) {
                 ref.lse);
 }
 
-// Ragged prefill: a one-token query, exact page multiples, q_len > kv_len rows (no append), an
-// empty sequence and mixed layers.
+// Ragged prefill: a one-token query, exact page multiples, q_len > kv_len rows (with and without
+// append), an empty sequence and mixed layers.
 std::vector<Case> PrefillCases(int page_size) {
   const int ps = page_size;
   std::vector<Case> cases;
@@ -180,6 +182,9 @@ std::vector<Case> PrefillCases(int page_size) {
   cases.push_back({"append_ragged",
                    {{1, 1, 0}, {37, 37, 1}, {20, 20 + 3 * ps, 0}, {5, 2 * ps + 7, 1}, {64, 200, 0}},
                    append});
+  // Rows appended before the sequence's first token (q_len > kv_len) have no slot: the append
+  // skips them instead of writing in front of the sequence's first page.
+  cases.push_back({"append_before_first_token", {{6, 2, 0}, {3, 3, 1}, {9, 4, 0}}, append});
   BatchOptions attend;
   attend.pad_last_page_len = true;
   cases.push_back({"attend_unseeing_rows",
@@ -214,12 +219,13 @@ struct GqaShape {
   int qo, kv, dim;
 };
 
-// Real-model geometries (docs/design.md, "Attention semantics") plus group sizes 3 and 5 at head_dim 64.
-const GqaShape kGqaShapes[] = {
-    {32, 8, 128}, {32, 4, 128}, {16, 2, 128}, {20, 4, 128}, {24, 8, 128}, {24, 4, 128},
-    {32, 16, 128}, {40, 10, 128}, {48, 8, 128}, {5, 1, 128}, {6, 1, 128},  {16, 1, 128},
-    {8, 1, 128},  {32, 8, 64},   {16, 2, 64},  {64, 8, 64},  {6, 2, 64},   {10, 2, 64},
-    {8, 1, 256},  {12, 2, 256}};
+// Real-model geometries (docs/design.md, "Attention semantics") plus group sizes 3 and 5 at
+// head_dim 64.
+const GqaShape kGqaShapes[] = {{32, 8, 128}, {32, 4, 128}, {16, 2, 128},  {20, 4, 128},
+                               {24, 8, 128}, {24, 4, 128}, {32, 16, 128}, {40, 10, 128},
+                               {48, 8, 128}, {5, 1, 128},  {6, 1, 128},   {16, 1, 128},
+                               {8, 1, 128},  {32, 8, 64},  {16, 2, 64},   {64, 8, 64},
+                               {6, 2, 64},   {10, 2, 64},  {8, 1, 256},   {12, 2, 256}};
 
 class KernelTest : public ::testing::Test {
  protected:
@@ -266,8 +272,8 @@ TEST_F(KernelTest, MlaSweep) {
         if (c.options.sm_scale == 0.f) c.options.sm_scale = 0.1352337747812271f;
       }
       for (const Case& c : cases) {
-        SCOPED_TRACE(::testing::Message() << "mla h" << heads << " page " << page_size << " "
-                                          << c.name);
+        SCOPED_TRACE(::testing::Message()
+                     << "mla h" << heads << " page " << page_size << " " << c.name);
         RunMla(g, c);
       }
     }

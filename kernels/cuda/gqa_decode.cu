@@ -34,7 +34,8 @@ struct DecodeTraits {
   // The warps' partial outputs, merged at the end, reuse the pipeline's buffers. Rows are padded
   // by 4 floats to spread the 8 rows a store instruction writes over different banks.
   static constexpr int kMergeStride = kHeadDim + 4;
-  static constexpr int kMergeBytes = (kWarps * kBlockM * kMergeStride + 2 * kWarps * kBlockM) * 4;
+  using Exchange = SoftmaxExchange<kWarps, kBlockM>;
+  static constexpr int kMergeBytes = kWarps * kBlockM * kMergeStride * 4 + Exchange::kBytes;
   static_assert(kMergeBytes <= kPipelineBytes);
   using Ring = RowOffsetRing<kBlockN>;
   static constexpr int kSmemBytes =
@@ -43,7 +44,7 @@ struct DecodeTraits {
 
 template <int kHeadDim, int kStages>
 __global__ void __launch_bounds__(kThreads)
-    GqaDecodeKernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+    GqaDecodeKernel(const GqaParams p, const WorkItem* __restrict__ items, const RowSink sink) {
   using T = DecodeTraits<kHeadDim, kStages>;
   using Tile = typename T::Tile;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -135,16 +136,9 @@ __global__ void __launch_bounds__(kThreads)
     softmax.Update(s, scale_log2, alpha);
     uint32_t p_frag[1][4];
     ScoresToA(s, p_frag);
+    RescaleAccumulator(o, alpha);
 #pragma unroll
     for (int dp = 0; dp < T::kDTiles / 2; ++dp) {
-      o[2 * dp][0] *= alpha[0];
-      o[2 * dp][1] *= alpha[0];
-      o[2 * dp][2] *= alpha[1];
-      o[2 * dp][3] *= alpha[1];
-      o[2 * dp + 1][0] *= alpha[0];
-      o[2 * dp + 1][1] *= alpha[0];
-      o[2 * dp + 1][2] *= alpha[1];
-      o[2 * dp + 1][3] *= alpha[1];
       uint32_t b[4];
       Tile::LoadB(b, s_v, key0, dp * 16, lane);
       MmaBf16(o[2 * dp], p_frag[0], b[0], b[1]);
@@ -156,17 +150,13 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();  // the pipeline buffers become the merge area
 
   // Merge the 4 warps' (m, sum, O) states of the same 16 rows.
-  float* s_o = reinterpret_cast<float*>(s_kv);           // [kWarps][kBlockM][kMergeStride]
-  float* s_m = s_o + kWarps * kBlockM * T::kMergeStride;  // [kWarps][kBlockM]
-  float* s_d = s_m + kWarps * kBlockM;                    // [kWarps][kBlockM]
+  float* s_o = reinterpret_cast<float*>(s_kv);  // [kWarps][kBlockM][kMergeStride]
+  const auto exchange = T::Exchange::At(s_o + kWarps * kBlockM * T::kMergeStride);
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     const int r = row_g + 8 * x;
     const float sum = softmax.RowSum(x);
-    if ((lane & 3) == 0) {
-      s_m[warp * kBlockM + r] = softmax.m[x];
-      s_d[warp * kBlockM + r] = sum;
-    }
+    if ((lane & 3) == 0) exchange.Publish(warp, r, softmax.m[x], sum);
     float* dst = s_o + (warp * kBlockM + r) * T::kMergeStride + 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < T::kDTiles; ++j) {
@@ -175,45 +165,27 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  sink.partial_row = item.partial_row;
-  sink.q_begin = seq.q_begin;
-  sink.head_base = kv_head * group;
+  const RowSink cta_sink = sink.ForItem(item.partial_row, seq.q_begin, kv_head * group);
   constexpr int kVecs = kHeadDim / 4;  // float4 columns per row
   for (int idx = tid; idx < kBlockM * kVecs; idx += kThreads) {
     const int r = idx / kVecs, c = (idx % kVecs) * 4;
     const int packed = item.row_begin + r;
     if (packed >= num_rows) continue;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s_m[w * kBlockM + r]);
-    const float base = m == -INFINITY ? 0.f : m;
-    float sum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float weight[kWarps];
+    const auto merged = exchange.Merge(r, weight);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float f = Exp2(s_m[w * kBlockM + r] - base);
-      sum += f * s_d[w * kBlockM + r];
-      const float4 v = *reinterpret_cast<const float4*>(s_o + (w * kBlockM + r) * T::kMergeStride + c);
-      acc.x += f * v.x;
-      acc.y += f * v.y;
-      acc.z += f * v.z;
-      acc.w += f * v.w;
+      const float4 v =
+          *reinterpret_cast<const float4*>(s_o + (w * kBlockM + r) * T::kMergeStride + c);
+      acc[0] += weight[w] * v.x;
+      acc[1] += weight[w] * v.y;
+      acc[2] += weight[w] * v.z;
+      acc[3] += weight[w] * v.w;
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int64_t row = sink.Row(packed);
-    if (sink.partial_row >= 0) {
-      *reinterpret_cast<float4*>(sink.partial_out + row * kHeadDim + c) =
-          make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-      if (c == 0) sink.partial_lse[row] = sum > 0.f ? m + Log2(sum) : -INFINITY;
-    } else {
-      __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-      __nv_bfloat162 hi = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-      uint2 packed_out;
-      packed_out.x = *reinterpret_cast<uint32_t*>(&lo);
-      packed_out.y = *reinterpret_cast<uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(sink.out + row * kHeadDim + c) = packed_out;
-      if (c == 0 && sink.lse != nullptr) sink.lse[row] = sum > 0.f ? m + Log2(sum) : kEmptyRowLse;
-    }
+    const int64_t row = cta_sink.Row(packed);
+    cta_sink.StoreColumns(row, c, acc, InverseSum(merged.sum));
+    if (c == 0) cta_sink.StoreLse(row, merged.m, merged.sum);
   }
 }
 
@@ -222,8 +194,7 @@ cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stre
   using T = DecodeTraits<kHeadDim, kStages>;
   auto kernel = GqaDecodeKernel<kHeadDim, kStages>;
   ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kernel, T::kSmemBytes));
-  const RowSink sink{p.out, p.lse, plan.partial_out, plan.partial_lse, -1, 0,
-                     p.num_qo_heads, kHeadDim, p.num_qo_heads / p.cache.num_kv_heads, 0};
+  const RowSink sink = RowSink::ForGqa(p, plan);
   const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
   kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
   ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
@@ -248,19 +219,27 @@ constexpr int StagesFor(int head_dim) { return head_dim == 64 ? 4 : head_dim == 
 
 cudaError_t LaunchGqaDecode(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
   switch (p.cache.head_dim) {
-    case 64: return Launch<64, StagesFor(64)>(p, plan, stream);
-    case 128: return Launch<128, StagesFor(128)>(p, plan, stream);
-    case 256: return Launch<256, StagesFor(256)>(p, plan, stream);
-    default: return cudaErrorInvalidValue;
+    case 64:
+      return Launch<64, StagesFor(64)>(p, plan, stream);
+    case 128:
+      return Launch<128, StagesFor(128)>(p, plan, stream);
+    case 256:
+      return Launch<256, StagesFor(256)>(p, plan, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
 cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
   switch (head_dim) {
-    case 64: return Tiling<64, StagesFor(64)>(tiling);
-    case 128: return Tiling<128, StagesFor(128)>(tiling);
-    case 256: return Tiling<256, StagesFor(256)>(tiling);
-    default: return cudaErrorInvalidValue;
+    case 64:
+      return Tiling<64, StagesFor(64)>(tiling);
+    case 128:
+      return Tiling<128, StagesFor(128)>(tiling);
+    case 256:
+      return Tiling<256, StagesFor(256)>(tiling);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

@@ -1,9 +1,9 @@
 // GQA paged prefill, FlashAttention-2 style on mma.sync tensor cores.
 //
-// One CTA = one work item (kernels/cuda/plan.h) x one KV head: kBlockM packed rows (query token x query
-// head of this KV head) against keys [kv_begin, kv_end) of one sequence. Each warp owns
-// 16 * kMTiles rows, so every K/V fragment read from shared memory feeds kMTiles MMAs (shared
-// memory bandwidth, not the tensor cores, bounds a 16-row warp). K and V tiles of kBlockN keys are
+// One CTA = one work item (kernels/cuda/plan.h) x one KV head: kBlockM packed rows (query token x
+// query head of this KV head) against keys [kv_begin, kv_end) of one sequence. Each warp owns 16 *
+// kMTiles rows, so every K/V fragment read from shared memory feeds kMTiles MMAs (shared memory
+// bandwidth, not the tensor cores, bounds a 16-row warp). K and V tiles of kBlockN keys are
 // gathered from their pages with cp.async into swizzled shared memory; the V load of tile t
 // overlaps S = Q K^T of tile t and the K load of tile t+1 overlaps O += P V of tile t. Causal
 // masking is applied only on the tiles that cross a row's limit; the planner has already cut
@@ -36,7 +36,7 @@ struct PrefillTraits {
 
 template <int kHeadDim, int kWarps, int kMTiles, int kBlockN>
 __global__ void __launch_bounds__(kWarps * 32)
-    GqaPrefillKernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+    GqaPrefillKernel(const GqaParams p, const WorkItem* __restrict__ items, const RowSink sink) {
   using T = PrefillTraits<kHeadDim, kWarps, kMTiles, kBlockN>;
   using Tile = typename T::Tile;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -113,13 +113,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
       float alpha[2];
       softmax[mt].Update(s[mt], scale_log2, alpha);
-#pragma unroll
-      for (int j = 0; j < T::kDTiles; ++j) {
-        o[mt][j][0] *= alpha[0];
-        o[mt][j][1] *= alpha[0];
-        o[mt][j][2] *= alpha[1];
-        o[mt][j][3] *= alpha[1];
-      }
+      RescaleAccumulator(o[mt], alpha);
       ScoresToA(s[mt], p_frag[mt]);
     }
     ring->Store(t + 1, next_offset, tid);
@@ -146,14 +140,12 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   WaitAsyncGroups<0>();  // an item without keys still loaded Q
 
-  sink.partial_row = item.partial_row;
-  sink.q_begin = seq.q_begin;
-  sink.head_base = kv_head * group;
+  const RowSink cta_sink = sink.ForItem(item.partial_row, seq.q_begin, kv_head * group);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
     const float sums[2] = {softmax[mt].RowSum(0), softmax[mt].RowSum(1)};
-    StoreRows(sink, o[mt], softmax[mt].m, sums, item.row_begin + warp_row0 + 16 * mt, num_rows, 0,
-              lane, true);
+    StoreRows(cta_sink, o[mt], softmax[mt].m, sums, item.row_begin + warp_row0 + 16 * mt, num_rows,
+              0, lane, true);
   }
 }
 
@@ -164,8 +156,7 @@ struct Config {
 
   static cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
-    const RowSink sink{p.out, p.lse, plan.partial_out, plan.partial_lse, -1, 0,
-                       p.num_qo_heads, kHeadDim, p.num_qo_heads / p.cache.num_kv_heads, 0};
+    const RowSink sink = RowSink::ForGqa(p, plan);
     const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
     kKernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
@@ -185,10 +176,14 @@ struct Config {
 template <typename Fn>
 cudaError_t WithConfig(int head_dim, int variant, Fn&& fn) {
   switch (head_dim * 10 + (variant < 0 ? 0 : variant)) {
-    case 640: return fn(Config<64, 4, 2, 64>());
-    case 1280: return fn(Config<128, 4, 2, 64>());
-    case 2560: return fn(Config<256, 4, 1, 32>());
-    default: return cudaErrorInvalidValue;
+    case 640:
+      return fn(Config<64, 4, 2, 64>());
+    case 1280:
+      return fn(Config<128, 4, 2, 64>());
+    case 2560:
+      return fn(Config<256, 4, 1, 32>());
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

@@ -7,6 +7,7 @@
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/math.cuh"
+#include "kernels/cuda/common/softmax_state.cuh"
 #include "kernels/cuda/launchers.h"
 
 namespace attn::cuda {
@@ -46,14 +47,14 @@ __global__ void __launch_bounds__(kMaxThreads)
     local = fmaxf(local, s_weight[s]);
   }
   const float max_lse = reduce(local, true);
-  const float base = max_lse == -INFINITY ? 0.f : max_lse;
+  const float base = ExpBase(max_lse);
   local = 0.f;
   for (int s = tid; s < m.num_splits; s += blockDim.x) {
     s_weight[s] = Exp2(s_weight[s] - base);
     local += s_weight[s];
   }
   const float sum = reduce(local, false);  // its barriers also publish s_weight
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const float inv = InverseSum(sum);
 
   for (int c = tid * 4; c < out_dim; c += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -72,7 +73,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   }
   if (lse != nullptr && tid == 0) {
-    lse[int64_t{m.out_row} * num_heads + head] = sum > 0.f ? base + Log2(sum) : kEmptyRowLse;
+    lse[int64_t{m.out_row} * num_heads + head] = FinalLse(base, sum);
   }
 }
 

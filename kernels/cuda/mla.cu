@@ -31,17 +31,19 @@ struct MlaTraits {
   using Tile = SwizzledTile<kMlaTokenDim>;
   using PTile = PaddedTile<kBlockN>;
   static constexpr int kKSteps = kMlaTokenDim / 16;  // 36
-  static constexpr int kDTiles = kOutCols / 8;        // 16
+  static constexpr int kDTiles = kOutCols / 8;       // 16
   static constexpr int kQElems = kBlockM * kMlaTokenDim;
   static constexpr int kTileElems = kBlockN * kMlaTokenDim;
   using Ring = RowOffsetRing<kBlockN>;
-  static constexpr int kSmemBytes = (kQElems + kStages * kTileElems + kBlockM * PTile::kStride) * 2 +
-                                    2 * kColWarps * kBlockM * 4 + static_cast<int>(sizeof(Ring));
+  using Exchange = SoftmaxExchange<kColWarps, kBlockM>;  // the row groups' 4 column warps
+  static constexpr int kSmemBytes =
+      (kQElems + kStages * kTileElems + kBlockM * PTile::kStride) * 2 + Exchange::kBytes +
+      static_cast<int>(sizeof(Ring));
 };
 
 template <int kRowGroups, int kStages>
 __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
-    MlaKernel(const MlaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+    MlaKernel(const MlaParams p, const WorkItem* __restrict__ items, const RowSink sink) {
   using T = MlaTraits<kRowGroups, kStages>;
   using Tile = typename T::Tile;
   using PTile = typename T::PTile;
@@ -49,9 +51,9 @@ __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   bf16* s_kv = s_q + T::kQElems;
   bf16* s_p = s_kv + kStages * T::kTileElems;
-  float* s_max = reinterpret_cast<float*>(s_p + T::kBlockM * PTile::kStride);  // [4][kBlockM]
-  float* s_sum = s_max + kColWarps * T::kBlockM;                                // [4][kBlockM]
-  auto* ring = reinterpret_cast<typename T::Ring*>(s_sum + kColWarps * T::kBlockM);
+  auto* s_exchange = reinterpret_cast<unsigned char*>(s_p + T::kBlockM * PTile::kStride);
+  const auto exchange = T::Exchange::At(s_exchange);
+  auto* ring = reinterpret_cast<typename T::Ring*>(s_exchange + T::Exchange::kBytes);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rg = warp / kColWarps, cw = warp % kColWarps;
@@ -79,8 +81,8 @@ __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
   };
   auto load_tile = [&](int t) {
     if (t < num_tiles) {
-      Tile::template LoadRows<kBlockN, T::kThreads>(s_kv + (t % kStages) * T::kTileElems,
-                                                    rows.base, ring->Offsets(t), tid);
+      Tile::template LoadRows<kBlockN, T::kThreads>(s_kv + (t % kStages) * T::kTileElems, rows.base,
+                                                    ring->Offsets(t), tid);
     }
     CommitAsyncGroup();
   };
@@ -101,12 +103,13 @@ __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
   const float scale_log2 = p.sm_scale * kLog2e;
 
   float o[T::kDTiles][4] = {};
-  float m[2] = {-INFINITY, -INFINITY};
-  float sum[2] = {0.f, 0.f};
+  // Each warp's state covers its quarter of every tile's keys, against maxima shared by the row
+  // group's 4 warps (exchanged each tile), so the warps' sums simply add up at the end.
+  OnlineSoftmax<1> softmax;
 
   for (int t = 0; t < num_tiles; ++t) {
     WaitAsyncGroups<kStages - 2>();
-    __syncthreads();  // tile t visible; every warp is done with tile t - 1 and with s_p, s_max
+    __syncthreads();  // tile t visible; every warp is done with tile t - 1, s_p and the maxima
     load_tile(t + kStages - 1);
     const int64_t next_offset = lookup(t + kStages);  // stored after this tile's math
     const bf16* s_k = s_kv + (t % kStages) * T::kTileElems;
@@ -127,53 +130,26 @@ __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) s[0][c] += s_odd[c];
-    // Scale, then mask: a masked score must be -inf whatever the scale's sign.
-#pragma unroll
-    for (int c = 0; c < 4; ++c) s[0][c] *= scale_log2;
     if (n0 + 8 > tile_min_limit) MaskScores(s, n0, lane, limit_g, limit_g8);
-    const float local_max[2] = {QuadMax(fmaxf(s[0][0], s[0][1])),
-                                QuadMax(fmaxf(s[0][2], s[0][3]))};
+    const float local_max[2] = {QuadMax(softmax.TileMax(s, 0, scale_log2)),
+                                QuadMax(softmax.TileMax(s, 1, scale_log2))};
     if ((lane & 3) == 0) {
-      s_max[cw * T::kBlockM + row_g] = local_max[0];
-      s_max[cw * T::kBlockM + row_g + 8] = local_max[1];
+      exchange.PublishMax(cw, row_g, local_max[0]);
+      exchange.PublishMax(cw, row_g + 8, local_max[1]);
     }
     __syncthreads();
 
     float alpha[2];
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int c = 0; c < kColWarps; ++c) {
-        tile_max = fmaxf(tile_max, s_max[c * T::kBlockM + row_g + 8 * x]);
-      }
-      const float m_new = fmaxf(m[x], tile_max);
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[x] = Exp2(m[x] - base);
-      m[x] = m_new;
-      s[0][2 * x] = Exp2(s[0][2 * x] - base);
-      s[0][2 * x + 1] = Exp2(s[0][2 * x + 1] - base);
-      const float part = QuadSum(s[0][2 * x] + s[0][2 * x + 1]);
-      if ((lane & 3) == 0) s_sum[cw * T::kBlockM + row_g + 8 * x] = part;
+      const auto r = softmax.Rescale(x, exchange.MaxOf(row_g + 8 * x));
+      softmax.Exponentiate(s, x, scale_log2, r);
+      alpha[x] = r.alpha;
       *reinterpret_cast<uint32_t*>(s_p + PTile::Offset(row_g + 8 * x, key0 + 2 * (lane & 3))) =
           PackBf16(s[0][2 * x], s[0][2 * x + 1]);
     }
-    __syncthreads();
-
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      float tile_sum = 0.f;
-#pragma unroll
-      for (int c = 0; c < kColWarps; ++c) tile_sum += s_sum[c * T::kBlockM + row_g + 8 * x];
-      sum[x] = sum[x] * alpha[x] + tile_sum;
-    }
-#pragma unroll
-    for (int j = 0; j < T::kDTiles; ++j) {
-      o[j][0] *= alpha[0];
-      o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1];
-      o[j][3] *= alpha[1];
-    }
+    __syncthreads();  // P and every warp's reads of this tile's maxima done
+    RescaleAccumulator(o, alpha);
     // O (16 rows x this warp's 128 columns) += P (16 x 32 keys) * V (first 512 columns of K).
 #pragma unroll
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
@@ -191,9 +167,17 @@ __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
   }
   WaitAsyncGroups<0>();
 
-  sink.partial_row = item.partial_row;
-  sink.q_begin = seq.q_begin;
-  StoreRows(sink, o, m, sum, item.row_begin + rg * 16, num_rows, cw * kOutCols, lane, cw == 0);
+  // The row's sum over all keys: the 4 column warps' sums (same maxima, so no reweighting).
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const float row_sum = softmax.RowSum(x);
+    if ((lane & 3) == 0) exchange.Publish(cw, row_g + 8 * x, softmax.m[x], row_sum);
+  }
+  __syncthreads();
+  const float sums[2] = {exchange.SumOf(row_g), exchange.SumOf(row_g + 8)};
+  const RowSink cta_sink = sink.ForItem(item.partial_row, seq.q_begin, 0);
+  StoreRows(cta_sink, o, softmax.m, sums, item.row_begin + rg * 16, num_rows, cw * kOutCols, lane,
+            cw == 0);
 }
 
 // Heads per CTA: 16 rows per row group; many heads (or prefill's many tokens) take 4 row groups
@@ -205,8 +189,7 @@ struct Config {
 
   static cudaError_t Launch(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
-    const RowSink sink{p.out, p.lse, plan.partial_out, plan.partial_lse, -1, 0,
-                       p.num_heads, kMlaCkvDim, p.num_heads, 0};
+    const RowSink sink = RowSink::ForMla(p, plan);
     kKernel<<<plan.num_items, T::kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
@@ -228,9 +211,8 @@ bool UseLarge(int num_heads, bool decode) { return !decode || num_heads > 16; }
 }  // namespace
 
 cudaError_t LaunchMla(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-  return UseLarge(p.num_heads, p.batch.qo_indptr == nullptr)
-             ? LargeConfig::Launch(p, plan, stream)
-             : SmallConfig::Launch(p, plan, stream);
+  return UseLarge(p.num_heads, p.batch.qo_indptr == nullptr) ? LargeConfig::Launch(p, plan, stream)
+                                                             : SmallConfig::Launch(p, plan, stream);
 }
 
 cudaError_t MlaTiling(int num_heads, bool decode, KernelTiling* tiling) {

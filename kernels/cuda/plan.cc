@@ -22,7 +22,7 @@ std::vector<Tile> MakeTiles(const PlanConfig& c, const int32_t* q_lens, const in
     const int rows = q_lens[b] * c.group;
     for (int r = 0; r < rows; r += c.block_m) {
       const int last_token = (std::min(r + c.block_m, rows) - 1) / c.group;
-      tiles.push_back({b, r, VisibleKeyCount(q_lens[b], kv_lens[b], last_token, c.causal)});
+      tiles.push_back({b, r, VisibleKeys(q_lens[b], kv_lens[b], last_token, c.causal)});
     }
   }
   return tiles;
@@ -51,25 +51,19 @@ int ChooseChunkLen(const PlanConfig& c, const std::vector<Tile>& tiles, const in
     max_visible = std::max(max_visible, t.visible);
   }
   const double target_items = c.cta_slots * c.target_waves / c.num_kv_heads;
-  int64_t chunk = CeilDiv(static_cast<int64_t>(std::ceil(work / target_items)), c.block_n) *
-                  c.block_n;
+  int64_t chunk =
+      CeilDiv(static_cast<int64_t>(std::ceil(work / target_items)), c.block_n) * c.block_n;
   chunk = std::max<int64_t>(chunk, CeilDiv(c.min_chunk_len, c.block_n) * c.block_n);
   // Wider chunks until the partials fit the workspace and no token has too many chunks.
-  while (chunk < max_visible &&
-         (PartialRows(c, q_lens, kv_lens, batch_size, static_cast<int>(chunk)) >
-              c.max_partial_rows ||
-          CeilDiv(max_visible, chunk) > kMaxSplits)) {
+  while (chunk < max_visible && (PartialRows(c, q_lens, kv_lens, batch_size,
+                                             static_cast<int>(chunk)) > c.max_partial_rows ||
+                                 CeilDiv(max_visible, chunk) > kMaxSplits)) {
     chunk *= 2;
   }
   return chunk < max_visible ? static_cast<int>(chunk) : 0;
 }
 
 }  // namespace
-
-int VisibleKeyCount(int q_len, int kv_len, int row, bool causal) {
-  if (!causal) return kv_len;
-  return std::clamp(row + 1 + kv_len - q_len, 0, kv_len);
-}
 
 AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const int32_t* kv_lens,
                             int batch_size) {
@@ -101,7 +95,7 @@ AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const in
         }
       }
       for (int i = 0; i < q_lens[b]; ++i) {
-        const int visible = VisibleKeyCount(q_lens[b], kv_lens[b], i, c.causal);
+        const int visible = VisibleKeys(q_lens[b], kv_lens[b], i, c.causal);
         const int splits_seen = static_cast<int>(CeilDiv(visible, plan.chunk_len));
         plan.merges.push_back({q_begin + i, base + i * c.num_qo_heads, stride, splits_seen});
         plan.max_splits = std::max(plan.max_splits, splits_seen);

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/attention.h"
+
 namespace attn {
 
 // Most chunks one token's keys are split into (the merge keeps one weight per chunk in shared
@@ -41,34 +43,31 @@ struct MergeRow {
 };
 
 struct PlanConfig {
-  int group = 1;           // packed rows per query token
-  int num_kv_heads = 1;    // CTAs per item (one per KV head)
-  int num_qo_heads = 1;    // heads per query token in q / out
-  int block_m = 64;        // packed rows per CTA
-  int block_n = 64;        // key tile; chunk lengths are multiples of it
-  int cta_slots = 132;     // CTAs the GPU runs at once (SMs * CTAs per SM)
+  int group = 1;         // packed rows per query token
+  int num_kv_heads = 1;  // CTAs per item (one per KV head)
+  int num_qo_heads = 1;  // heads per query token in q / out
+  int block_m = 64;      // packed rows per CTA
+  int block_n = 64;      // key tile; chunk lengths are multiples of it
+  int cta_slots = 132;   // CTAs the GPU runs at once (SMs * CTAs per SM)
   bool causal = true;
   // Split only when the unsplit plan has fewer than cta_slots * waves_before_split CTAs, and aim
   // for cta_slots * target_waves CTAs when splitting.
   double waves_before_split = 2.0;
   double target_waves = 4.0;
-  int min_chunk_len = 256;           // a shorter chunk costs more in merging than it gains
+  int min_chunk_len = 256;             // a shorter chunk costs more in merging than it gains
   int64_t max_partial_rows = 1 << 22;  // workspace capacity, in (token, head) rows
 };
 
 struct AttentionPlan {
-  std::vector<WorkItem> items;    // longest first
-  std::vector<MergeRow> merges;   // empty when nothing was split
-  int chunk_len = 0;              // 0: no split
-  int max_splits = 0;             // most chunks any merge row combines
-  int64_t partial_rows = 0;       // workspace rows the items write
+  std::vector<WorkItem> items;   // longest first
+  std::vector<MergeRow> merges;  // empty when nothing was split
+  int chunk_len = 0;             // 0: no split
+  int max_splits = 0;            // most chunks any merge row combines
+  int64_t partial_rows = 0;      // workspace rows the items write
 };
 
-// Keys query token `row` (0-based in its sequence) sees: [0, VisibleKeyCount).
-int VisibleKeyCount(int q_len, int kv_len, int row, bool causal);
-
 // Plans a batch of sequences with the given query and key counts (host arrays of batch_size).
-AttentionPlan PlanAttention(const PlanConfig& config, const int32_t* q_lens,
-                            const int32_t* kv_lens, int batch_size);
+AttentionPlan PlanAttention(const PlanConfig& config, const int32_t* q_lens, const int32_t* kv_lens,
+                            int batch_size);
 
 }  // namespace attn

@@ -36,13 +36,13 @@ void ExpectPlanCovers(const PlanConfig& c, const AttentionPlan& plan,
     EXPECT_EQ(it.row_begin % c.block_m, 0);
     for (int p = it.row_begin; p < std::min(it.row_begin + c.block_m, rows); ++p) {
       const int token = p / c.group;
-      const int vis = VisibleKeyCount(q_lens[it.seq], kv_lens[it.seq], token, c.causal);
+      const int vis = VisibleKeys(q_lens[it.seq], kv_lens[it.seq], token, c.causal);
       const int seen = std::max(0, std::min(it.kv_end, vis) - it.kv_begin);
       keys_seen[{it.seq, p}] += seen;
       if (it.partial_row >= 0) {
         for (int kvh = 0; kvh < c.num_kv_heads; ++kvh) {
-          const int64_t row = it.partial_row + int64_t{token} * c.num_qo_heads +
-                              kvh * c.group + p % c.group;
+          const int64_t row =
+              it.partial_row + int64_t{token} * c.num_qo_heads + kvh * c.group + p % c.group;
           EXPECT_LT(row, plan.partial_rows);
           EXPECT_TRUE(partial_rows_written.insert(row).second) << "partial row written twice";
         }
@@ -52,14 +52,15 @@ void ExpectPlanCovers(const PlanConfig& c, const AttentionPlan& plan,
   }
   for (int b = 0; b < batch; ++b) {
     for (int p = 0; p < q_lens[b] * c.group; ++p) {
-      const int vis = VisibleKeyCount(q_lens[b], kv_lens[b], p / c.group, c.causal);
+      const int vis = VisibleKeys(q_lens[b], kv_lens[b], p / c.group, c.causal);
       EXPECT_EQ((keys_seen[{b, p}]), vis) << "seq " << b << " packed row " << p;
     }
   }
   // Merges: one per token of each split sequence, naming the chunks that hold its keys.
   for (const MergeRow& m : plan.merges) {
     const int b = static_cast<int>(std::upper_bound(q_begin.begin(), q_begin.end(), m.out_row) -
-                                   q_begin.begin()) - 1;
+                                   q_begin.begin()) -
+                  1;
     const int token = m.out_row - q_begin[b];
     EXPECT_EQ(m.split_stride, q_lens[b] * c.num_qo_heads);
     for (int g = 0; g < c.group; ++g) {
@@ -94,12 +95,24 @@ PlanConfig DecodeConfig(int group, int kv_heads) {
 }
 
 TEST(PlanTest, VisibleKeysAreBottomRightAligned) {
-  EXPECT_EQ(VisibleKeyCount(3, 10, 0, true), 8);
-  EXPECT_EQ(VisibleKeyCount(3, 10, 2, true), 10);
-  EXPECT_EQ(VisibleKeyCount(5, 3, 0, true), 0);  // q_len > kv_len: early rows see nothing
-  EXPECT_EQ(VisibleKeyCount(5, 3, 4, true), 3);
-  EXPECT_EQ(VisibleKeyCount(5, 3, 0, false), 3);
-  EXPECT_EQ(VisibleKeyCount(1, 0, 0, true), 0);
+  EXPECT_EQ(VisibleKeys(3, 10, 0, true), 8);
+  EXPECT_EQ(VisibleKeys(3, 10, 2, true), 10);
+  EXPECT_EQ(VisibleKeys(5, 3, 0, true), 0);  // q_len > kv_len: early rows see nothing
+  EXPECT_EQ(VisibleKeys(5, 3, 4, true), 3);
+  EXPECT_EQ(VisibleKeys(5, 3, 0, false), 3);
+  EXPECT_EQ(VisibleKeys(1, 0, 0, true), 0);
+}
+
+TEST(PlanTest, AppendedRowsAreTheLastTokens) {
+  SeqExtent e{};
+  e.q_len = 3;
+  e.kv_len = 10;
+  EXPECT_EQ(AppendPosition(e, 0), 7);
+  EXPECT_EQ(AppendPosition(e, 2), 9);
+  e.q_len = 5;
+  e.kv_len = 3;  // the first two rows have no slot
+  EXPECT_EQ(AppendPosition(e, 1), -1);
+  EXPECT_EQ(AppendPosition(e, 2), 0);
 }
 
 TEST(PlanTest, LargeDecodeBatchSplitsOnlyToFillTheGpu) {

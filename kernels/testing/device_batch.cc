@@ -1,5 +1,7 @@
 #include "kernels/testing/device_batch.h"
 
+#include <cstring>
+
 #include "kernels/cuda/common/cuda_check.h"
 
 namespace attn::testing {
@@ -20,81 +22,57 @@ bool CudaDeviceAvailable() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-cudaError_t DeviceBatch::UploadTable(const HostPageTable& t) {
-  ATTN_CUDA_RETURN_IF_ERROR(qo_indptr_.Upload(t.qo_indptr));
-  ATTN_CUDA_RETURN_IF_ERROR(kv_indptr_.Upload(t.kv_indptr));
-  ATTN_CUDA_RETURN_IF_ERROR(kv_indices_.Upload(t.kv_indices));
-  ATTN_CUDA_RETURN_IF_ERROR(kv_last_page_len_.Upload(t.kv_last_page_len));
-  ATTN_CUDA_RETURN_IF_ERROR(seq_layer_.Upload(t.seq_layer));
-  return cudaSuccess;
+namespace {
+
+cuda::LaunchOptions Options(bool append, bool lse, float sm_scale, bool causal,
+                            const cuda::KernelTiling& tiling, const PlanOverrides& overrides) {
+  cuda::LaunchOptions o;
+  o.append = append;
+  o.lse = lse;
+  o.sm_scale = sm_scale;
+  o.causal = causal;
+  o.tiling = tiling;
+  o.max_partial_rows = kTestPartialRows;
+  o.min_chunk_len = overrides.min_chunk_len;
+  o.target_waves = overrides.target_waves;
+  return o;
 }
 
-// Device view of the table: the host view's layout with the device copies' pointers.
-static PagedBatch DeviceView(const HostPageTable& t, const DeviceBuffer& qo, const DeviceBuffer& kv,
-                             const DeviceBuffer& idx, const DeviceBuffer& last,
-                             const DeviceBuffer& layer) {
-  PagedBatch b = t.View();
-  b.qo_indptr = b.qo_indptr ? qo.get<int32_t>() : nullptr;
-  b.kv_indptr = kv.get<int32_t>();
-  b.kv_indices = idx.get<int32_t>();
-  b.kv_last_page_len = last.get<int32_t>();
-  b.seq_layer = b.seq_layer ? layer.get<int32_t>() : nullptr;
-  return b;
+void Put(std::vector<char>& staging, const cuda::StagingSection& s, const void* src) {
+  if (s.bytes > 0) std::memcpy(staging.data() + s.offset, src, s.bytes);
 }
 
-cudaError_t DeviceBatch::UploadPlan(PlanConfig config, const PlanOverrides& overrides,
-                                    const HostPageTable& t) {
-  if (overrides.min_chunk_len > 0) config.min_chunk_len = overrides.min_chunk_len;
-  if (overrides.target_waves > 0) config.target_waves = overrides.target_waves;
-  std::vector<int32_t> q_lens, kv_lens;
-  for (const SeqSpec& s : t.seqs) {
-    q_lens.push_back(t.decode ? 1 : s.q_len);
-    kv_lens.push_back(s.kv_len);
-  }
-  plan_ = PlanAttention(config, q_lens.data(), kv_lens.data(), static_cast<int>(q_lens.size()));
-  ATTN_CUDA_RETURN_IF_ERROR(items_.Upload(plan_.items));
-  ATTN_CUDA_RETURN_IF_ERROR(merges_.Upload(plan_.merges));
-  const int out_dim = mla_ ? kMlaCkvDim : gqa_.cache.head_dim;
-  ATTN_CUDA_RETURN_IF_ERROR(partial_out_.Allocate(plan_.partial_rows * out_dim * sizeof(float)));
-  ATTN_CUDA_RETURN_IF_ERROR(partial_lse_.Allocate(plan_.partial_rows * sizeof(float)));
-  device_plan_.items = items_.get<WorkItem>();
-  device_plan_.num_items = static_cast<int>(plan_.items.size());
-  device_plan_.merges = merges_.get<MergeRow>();
-  device_plan_.num_merges = static_cast<int>(plan_.merges.size());
-  device_plan_.max_splits = plan_.max_splits;
-  device_plan_.partial_out = partial_out_.get<float>();
-  device_plan_.partial_lse = partial_lse_.get<float>();
-  return cudaSuccess;
+}  // namespace
+
+cudaError_t DeviceBatch::Stage(const void* q, const void* q_pe, const void* k_new,
+                               const void* v_new) {
+  const cuda::InputLayout& in = launch_.inputs();
+  std::vector<char> staging(in.bytes);
+  Put(staging, in.q, q);
+  Put(staging, in.q_pe, q_pe);
+  Put(staging, in.k_new, k_new);
+  Put(staging, in.v_new, v_new);
+  launch_.WriteIndices(staging.data());
+  ATTN_CUDA_RETURN_IF_ERROR(inputs_.Upload(staging));
+  ATTN_CUDA_RETURN_IF_ERROR(outputs_.Allocate(launch_.outputs().bytes));
+  ATTN_CUDA_RETURN_IF_ERROR(workspace_.Allocate(launch_.WorkspaceBytes()));
+  return launch_.Bind(inputs_.get<void>(), outputs_.get<void>(), workspace_.get<void>(),
+                      workspace_.bytes());
 }
 
 cudaError_t DeviceBatch::Create(GqaHostBatch& host, std::unique_ptr<DeviceBatch>* out, int variant,
                                 PlanOverrides overrides) {
   std::unique_ptr<DeviceBatch> d(new DeviceBatch());
   ATTN_CUDA_RETURN_IF_ERROR(d->cache_.Upload(host.cache));
-  ATTN_CUDA_RETURN_IF_ERROR(d->q_.Upload(host.q));
-  ATTN_CUDA_RETURN_IF_ERROR(d->k_new_.Upload(host.k_new));
-  ATTN_CUDA_RETURN_IF_ERROR(d->v_new_.Upload(host.v_new));
-  ATTN_CUDA_RETURN_IF_ERROR(d->out_.Allocate(host.out.size() * sizeof(bf16)));
-  ATTN_CUDA_RETURN_IF_ERROR(d->lse_.Allocate(host.lse.size() * sizeof(float)));
-  ATTN_CUDA_RETURN_IF_ERROR(d->UploadTable(host.table));
-
-  GqaParams& p = d->gqa_;
-  p = host.Params();  // geometry and scalars; the pointers are replaced below
-  p.cache.data = d->cache_.get<bf16>();
-  p.batch = DeviceView(host.table, d->qo_indptr_, d->kv_indptr_, d->kv_indices_,
-                       d->kv_last_page_len_, d->seq_layer_);
-  p.q = d->q_.get<bf16>();
-  p.k_new = host.k_new.empty() ? nullptr : d->k_new_.get<bf16>();
-  p.v_new = host.v_new.empty() ? nullptr : d->v_new_.get<bf16>();
-  p.out = d->out_.get<bf16>();
-  p.lse = host.lse.empty() ? nullptr : d->lse_.get<float>();
-
+  GqaCache cache = host.Params().cache;
+  cache.data = d->cache_.get<bf16>();
   cuda::KernelTiling tiling;
   tiling.variant = variant;
-  ATTN_CUDA_RETURN_IF_ERROR(cuda::GetGqaTiling(p.cache.head_dim, host.table.decode, &tiling));
-  d->device_plan_.variant = tiling.variant;
-  ATTN_CUDA_RETURN_IF_ERROR(
-      d->UploadPlan(cuda::GqaPlanConfig(p, tiling, kTestPartialRows), overrides, host.table));
+  ATTN_CUDA_RETURN_IF_ERROR(cuda::GetGqaTiling(cache.head_dim, host.table.decode, &tiling));
+  d->launch_.PlanGqa(cache, host.geometry.num_qo_heads, host.table.View(),
+                     Options(!host.k_new.empty(), !host.lse.empty(), host.sm_scale, host.causal,
+                             tiling, overrides));
+  ATTN_CUDA_RETURN_IF_ERROR(d->Stage(host.q.data(), nullptr, host.k_new.data(), host.v_new.data()));
   *out = std::move(d);
   return cudaSuccess;
 }
@@ -102,64 +80,39 @@ cudaError_t DeviceBatch::Create(GqaHostBatch& host, std::unique_ptr<DeviceBatch>
 cudaError_t DeviceBatch::Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>* out,
                                 PlanOverrides overrides) {
   std::unique_ptr<DeviceBatch> d(new DeviceBatch());
-  d->mla_ = true;
   ATTN_CUDA_RETURN_IF_ERROR(d->cache_.Upload(host.cache));
-  ATTN_CUDA_RETURN_IF_ERROR(d->q_.Upload(host.q_nope));
-  ATTN_CUDA_RETURN_IF_ERROR(d->q_pe_.Upload(host.q_pe));
-  ATTN_CUDA_RETURN_IF_ERROR(d->k_new_.Upload(host.ckv_new));
-  ATTN_CUDA_RETURN_IF_ERROR(d->v_new_.Upload(host.kpe_new));
-  ATTN_CUDA_RETURN_IF_ERROR(d->out_.Allocate(host.out.size() * sizeof(bf16)));
-  ATTN_CUDA_RETURN_IF_ERROR(d->lse_.Allocate(host.lse.size() * sizeof(float)));
-  ATTN_CUDA_RETURN_IF_ERROR(d->UploadTable(host.table));
-
-  MlaParams& p = d->mla_params_;
-  p = host.Params();
-  p.cache.data = d->cache_.get<bf16>();
-  p.batch = DeviceView(host.table, d->qo_indptr_, d->kv_indptr_, d->kv_indices_,
-                       d->kv_last_page_len_, d->seq_layer_);
-  p.q_nope = d->q_.get<bf16>();
-  p.q_pe = d->q_pe_.get<bf16>();
-  p.ckv_new = host.ckv_new.empty() ? nullptr : d->k_new_.get<bf16>();
-  p.kpe_new = host.kpe_new.empty() ? nullptr : d->v_new_.get<bf16>();
-  p.out = d->out_.get<bf16>();
-  p.lse = host.lse.empty() ? nullptr : d->lse_.get<float>();
-
+  MlaCache cache = host.Params().cache;
+  cache.data = d->cache_.get<bf16>();
   cuda::KernelTiling tiling;
-  ATTN_CUDA_RETURN_IF_ERROR(cuda::GetMlaTiling(p.num_heads, host.table.decode, &tiling));
   ATTN_CUDA_RETURN_IF_ERROR(
-      d->UploadPlan(cuda::MlaPlanConfig(p, tiling, kTestPartialRows), overrides, host.table));
+      cuda::GetMlaTiling(host.geometry.num_heads, host.table.decode, &tiling));
+  d->launch_.PlanMla(cache, host.geometry.num_heads, host.table.View(),
+                     Options(!host.ckv_new.empty(), !host.lse.empty(), host.sm_scale, host.causal,
+                             tiling, overrides));
+  ATTN_CUDA_RETURN_IF_ERROR(
+      d->Stage(host.q_nope.data(), host.q_pe.data(), host.ckv_new.data(), host.kpe_new.data()));
   *out = std::move(d);
   return cudaSuccess;
 }
 
-cudaError_t DeviceBatch::Run(cudaStream_t stream) {
-  ATTN_CUDA_RETURN_IF_ERROR(mla_ ? cuda::MlaAppendKv(mla_params_, stream)
-                                 : cuda::GqaAppendKv(gqa_, stream));
-  return RunAttention(stream);
-}
-
-cudaError_t DeviceBatch::RunAttention(cudaStream_t stream) {
-  return mla_ ? cuda::MlaAttention(mla_params_, device_plan_, stream)
-              : cuda::GqaAttention(gqa_, device_plan_, stream);
-}
-
 cudaError_t DeviceBatch::PoisonOutputs(cudaStream_t stream) {
-  ATTN_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out_.get<void>(), 0xff, out_.bytes(), stream));
-  return cudaMemsetAsync(lse_.get<void>(), 0xff, lse_.bytes(), stream);
+  return cudaMemsetAsync(outputs_.get<void>(), 0xff, outputs_.bytes(), stream);
 }
 
 cudaError_t DeviceBatch::Download(std::vector<bf16>* out, std::vector<float>* lse,
                                   std::vector<bf16>* cache) const {
   ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-  out->resize(out_.bytes() / sizeof(bf16));
-  lse->resize(lse_.bytes() / sizeof(float));
-  cache->resize(cache_.bytes() / sizeof(bf16));
-  ATTN_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(out->data(), out_.get<void>(), out_.bytes(), cudaMemcpyDeviceToHost));
-  if (lse_.bytes() > 0) {
+  const cuda::OutputLayout& layout = launch_.outputs();
+  std::vector<char> outputs(layout.bytes);
+  if (!outputs.empty()) {
     ATTN_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(lse->data(), lse_.get<void>(), lse_.bytes(), cudaMemcpyDeviceToHost));
+        cudaMemcpy(outputs.data(), outputs_.get<void>(), layout.bytes, cudaMemcpyDeviceToHost));
   }
+  out->resize(layout.out.bytes / sizeof(bf16));
+  lse->resize(layout.lse.bytes / sizeof(float));
+  if (!out->empty()) std::memcpy(out->data(), outputs.data() + layout.out.offset, layout.out.bytes);
+  if (!lse->empty()) std::memcpy(lse->data(), outputs.data() + layout.lse.offset, layout.lse.bytes);
+  cache->resize(cache_.bytes() / sizeof(bf16));
   return cudaMemcpy(cache->data(), cache_.get<void>(), cache_.bytes(), cudaMemcpyDeviceToHost);
 }
 

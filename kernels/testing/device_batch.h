@@ -1,6 +1,7 @@
-// Runs host-built batches (paged_batch_builder.h) through the CUDA entry points the way the
-// server's CUDA executor does: plan on the host, copy inputs and plan to the device, append +
-// attention (+ split-KV merge) on a stream. Used by kernel_tests and kernel_bench.
+// Runs host-built batches (paged_batch_builder.h) through the CUDA entry points with the same
+// launch binding as the server's CUDA backend (kernels/cuda/launch_plan.h): plan on the host, one
+// staging buffer of inputs, page table and plan copied to the device, append + attention (+
+// split-KV merge) on a stream. Used by kernel_tests and kernel_bench.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "kernels/cuda/api.h"
+#include "kernels/cuda/launch_plan.h"
 #include "kernels/cuda/plan.h"
 #include "kernels/testing/paged_batch_builder.h"
 
@@ -66,9 +68,9 @@ class DeviceBatch {
                             PlanOverrides overrides = {});
 
   // Append (when the batch has new K/V) and attention, enqueued on `stream`.
-  cudaError_t Run(cudaStream_t stream);
+  cudaError_t Run(cudaStream_t stream) { return launch_.Enqueue(stream); }
   // Attention alone (what a benchmark times once the cache is filled).
-  cudaError_t RunAttention(cudaStream_t stream);
+  cudaError_t RunAttention(cudaStream_t stream) { return launch_.EnqueueAttention(stream); }
   // Fills the NaN-poisoned outputs again (0xff bytes are NaN in bf16 and float32).
   cudaError_t PoisonOutputs(cudaStream_t stream);
 
@@ -76,22 +78,16 @@ class DeviceBatch {
   cudaError_t Download(std::vector<bf16>* out, std::vector<float>* lse,
                        std::vector<bf16>* cache) const;
 
-  const AttentionPlan& plan() const { return plan_; }
+  const AttentionPlan& plan() const { return launch_.plan(); }
 
  private:
   DeviceBatch() = default;
-  cudaError_t UploadTable(const HostPageTable& table);
-  cudaError_t UploadPlan(PlanConfig config, const PlanOverrides& overrides,
-                         const HostPageTable& table);
+  // Stages the batch's tensors (host arrays of widths() elements per row; null: absent) and the
+  // plan's indices, copies them to the device and binds the launch.
+  cudaError_t Stage(const void* q, const void* q_pe, const void* k_new, const void* v_new);
 
-  bool mla_ = false;
-  GqaParams gqa_;
-  MlaParams mla_params_;
-  AttentionPlan plan_;
-  cuda::DevicePlan device_plan_;
-  DeviceBuffer cache_, q_, q_pe_, k_new_, v_new_, out_, lse_;
-  DeviceBuffer qo_indptr_, kv_indptr_, kv_indices_, kv_last_page_len_, seq_layer_;
-  DeviceBuffer items_, merges_, partial_out_, partial_lse_;
+  cuda::LaunchPlan launch_;
+  DeviceBuffer cache_, inputs_, outputs_, workspace_;
 };
 
 // True when a CUDA device is usable (tests skip otherwise).

@@ -4,14 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/cuda/api.h"
-#include "kernels/cuda/plan.h"
+#include "kernels/cuda/launch_plan.h"
 #include "server/backends/merged_batch.h"
 
 namespace attn {
@@ -66,15 +65,12 @@ class DeviceState {
   std::atomic<bool> poisoned_{false};
 };
 
-#define RETURN_IF_CUDA_ERROR(state, expr)                                  \
-  do {                                                                      \
-    if (absl::Status _st = (state).Check((expr), #expr); !_st.ok()) {       \
-      return _st;                                                           \
-    }                                                                       \
+#define RETURN_IF_CUDA_ERROR(state, expr)                             \
+  do {                                                                \
+    if (absl::Status _st = (state).Check((expr), #expr); !_st.ok()) { \
+      return _st;                                                     \
+    }                                                                 \
   } while (0)
-
-constexpr size_t kAlign = 256;
-size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // A pinned host buffer and a device buffer of the same capacity, grown on demand (growth is
 // rare: capacity doubles, so a lane reallocates a handful of times in its life).
@@ -102,20 +98,6 @@ class StagingPair {
   void* host_ = nullptr;
   void* device_ = nullptr;
   size_t capacity_ = 0;
-};
-
-// Sections of one launch's staging buffer, at kAlign-aligned offsets.
-class Layout {
- public:
-  size_t Add(size_t bytes) {
-    const size_t at = size_;
-    size_ = AlignUp(size_ + bytes);
-    return at;
-  }
-  size_t size() const { return size_; }
-
- private:
-  size_t size_ = 0;
 };
 
 struct CudaPool {
@@ -160,6 +142,8 @@ class CudaLane final : public Lane {
     RETURN_IF_CUDA_ERROR(state_, g.kind == PoolKind::kGqa
                                      ? cuda::GetGqaTiling(g.head_dim, decode, &tiling_)
                                      : cuda::GetMlaTiling(g.num_qo_heads, decode, &tiling_));
+    const int64_t out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
+    max_partial_rows_ = workspace_bytes_ / ((out_dim + 1) * int64_t{sizeof(float)});
     return absl::OkStatus();
   }
 
@@ -169,153 +153,63 @@ class CudaLane final : public Lane {
     LaunchStats stats;
     StageTimer timer;
     const PoolGeometry& g = pool_.geometry;
-    const bool gqa = g.kind == PoolKind::kGqa;
     merged_.Build(calls);
-    const int batch = merged_.batch_size();
-    const int64_t rows = merged_.total_q();
-    const bool appends = calls.front()->appends();
-    const bool want_lse = std::any_of(calls.begin(), calls.end(),
-                                      [](const AttentionCall* c) { return c->return_lse; });
-
-    // Plan on the host from the sequences' lengths.
-    const PagedBatch view = merged_.View(op_);
-    q_lens_.resize(batch);
-    kv_lens_.resize(batch);
-    for (int b = 0; b < batch; ++b) {
-      const SeqExtent e = GetSeqExtent(view, g.page_size, b);
-      q_lens_[b] = e.q_len;
-      kv_lens_[b] = e.kv_len;
-    }
-    const int out_dim = gqa ? g.head_dim : kMlaCkvDim;
-    const int64_t max_partial_rows = workspace_bytes_ / (int64_t{out_dim + 1} * sizeof(float));
-    PlanConfig config;
-    if (gqa) {
-      GqaParams shape;
-      shape.cache = g.GqaView(nullptr);
-      shape.num_qo_heads = g.num_qo_heads;
-      config = cuda::GqaPlanConfig(shape, tiling_, max_partial_rows);
+    // Plan on the host from the merged page table; the plan lays out the staging buffers.
+    cuda::LaunchOptions options;
+    options.append = calls.front()->appends();
+    options.lse = std::any_of(calls.begin(), calls.end(),
+                              [](const AttentionCall* c) { return c->return_lse; });
+    options.sm_scale = calls.front()->sm_scale;
+    options.tiling = tiling_;
+    options.max_partial_rows = max_partial_rows_;
+    bf16* storage = static_cast<bf16*>(pool_.storage);
+    if (g.kind == PoolKind::kGqa) {
+      launch_.PlanGqa(g.GqaView(storage), g.num_qo_heads, merged_.View(op_), options);
     } else {
-      MlaParams shape;
-      shape.num_heads = g.num_qo_heads;
-      config = cuda::MlaPlanConfig(shape, tiling_, max_partial_rows);
+      launch_.PlanMla(g.MlaView(storage), g.num_qo_heads, merged_.View(op_), options);
     }
-    plan_ = PlanAttention(config, q_lens_.data(), kv_lens_.data(), batch);
 
     // Inputs: one staging buffer, one copy.
-    const int64_t heads = g.num_qo_heads;
-    const int64_t q_row = heads * (gqa ? g.head_dim : kMlaCkvDim);
-    const int64_t pe_row = gqa ? 0 : heads * kMlaKpeDim;
-    const int64_t k_row = gqa ? int64_t{g.num_kv_heads} * g.head_dim : kMlaCkvDim;
-    const int64_t v_row = gqa ? k_row : kMlaKpeDim;
-    Layout in;
-    const size_t q_at = in.Add(rows * q_row * 2);
-    const size_t pe_at = in.Add(rows * pe_row * 2);
-    const size_t k_at = in.Add(appends ? rows * k_row * 2 : 0);
-    const size_t v_at = in.Add(appends ? rows * v_row * 2 : 0);
-    auto add_ints = [&](const std::vector<int32_t>& v) { return in.Add(v.size() * 4); };
-    const size_t qo_at = add_ints(merged_.qo_indptr());
-    const size_t kvp_at = add_ints(merged_.kv_indptr());
-    const size_t idx_at = add_ints(merged_.kv_indices());
-    const size_t last_at = add_ints(merged_.kv_last_page_len());
-    const size_t layer_at = add_ints(merged_.seq_layer());
-    const size_t items_at = in.Add(plan_.items.size() * sizeof(WorkItem));
-    const size_t merges_at = in.Add(plan_.merges.size() * sizeof(MergeRow));
-    if (absl::Status st = inputs_.Reserve(in.size(), state_); !st.ok()) return st;
-
+    const cuda::InputLayout& in = launch_.inputs();
+    const cuda::RowWidths& w = launch_.widths();
+    if (absl::Status st = inputs_.Reserve(in.bytes, state_); !st.ok()) return st;
     char* h = inputs_.host();
-    GatherRows(calls, merged_, &AttentionCall::q, q_row, reinterpret_cast<bf16*>(h + q_at));
-    if (!gqa) {
-      GatherRows(calls, merged_, &AttentionCall::q_pe, pe_row, reinterpret_cast<bf16*>(h + pe_at));
-    }
-    if (appends) {
-      GatherRows(calls, merged_, &AttentionCall::k_new, k_row, reinterpret_cast<bf16*>(h + k_at));
-      GatherRows(calls, merged_, &AttentionCall::v_new, v_row, reinterpret_cast<bf16*>(h + v_at));
-    }
-    auto put = [&](size_t at, const auto& v) {
-      std::memcpy(h + at, v.data(), v.size() * sizeof(v[0]));
+    auto rows = [h](const cuda::StagingSection& s) {
+      return reinterpret_cast<bf16*>(h + s.offset);
     };
-    put(qo_at, merged_.qo_indptr());
-    put(kvp_at, merged_.kv_indptr());
-    put(idx_at, merged_.kv_indices());
-    put(last_at, merged_.kv_last_page_len());
-    put(layer_at, merged_.seq_layer());
-    put(items_at, plan_.items);
-    put(merges_at, plan_.merges);
-
+    GatherRows(calls, merged_, &AttentionCall::q, w.q, rows(in.q));
+    if (launch_.mla()) GatherRows(calls, merged_, &AttentionCall::q_pe, w.q_pe, rows(in.q_pe));
+    if (options.append) {
+      GatherRows(calls, merged_, &AttentionCall::k_new, w.k_new, rows(in.k_new));
+      GatherRows(calls, merged_, &AttentionCall::v_new, w.v_new, rows(in.v_new));
+    }
+    launch_.WriteIndices(h);
     // Outputs: out then lse, one buffer, one copy back.
-    Layout out;
-    const size_t out_at = out.Add(rows * heads * out_dim * 2);
-    const size_t lse_at = out.Add(want_lse ? rows * heads * 4 : 0);
-    if (absl::Status st = outputs_.Reserve(out.size(), state_); !st.ok()) return st;
-
-    char* d = inputs_.device();
-    auto dptr = [&](size_t at) { return reinterpret_cast<const int32_t*>(d + at); };
-    PagedBatch dbatch = view;
-    dbatch.qo_indptr = op_ == Op::kPrefill ? dptr(qo_at) : nullptr;
-    dbatch.kv_indptr = dptr(kvp_at);
-    dbatch.kv_indices = dptr(idx_at);
-    dbatch.kv_last_page_len = dptr(last_at);
-    dbatch.seq_layer = dptr(layer_at);
-    cuda::DevicePlan dplan;
-    dplan.items = reinterpret_cast<const WorkItem*>(d + items_at);
-    dplan.num_items = static_cast<int>(plan_.items.size());
-    dplan.merges = reinterpret_cast<const MergeRow*>(d + merges_at);
-    dplan.num_merges = static_cast<int>(plan_.merges.size());
-    dplan.max_splits = plan_.max_splits;
-    dplan.partial_out = static_cast<float*>(workspace_);
-    dplan.partial_lse = dplan.partial_out + max_partial_rows * out_dim;
-    dplan.variant = tiling_.variant;
-    bf16* dout = reinterpret_cast<bf16*>(outputs_.device() + out_at);
-    float* dlse = want_lse ? reinterpret_cast<float*>(outputs_.device() + lse_at) : nullptr;
-    auto din = [&](size_t at) { return reinterpret_cast<const bf16*>(d + at); };
+    const cuda::OutputLayout& out = launch_.outputs();
+    if (absl::Status st = outputs_.Reserve(out.bytes, state_); !st.ok()) return st;
+    RETURN_IF_CUDA_ERROR(state_, launch_.Bind(inputs_.device(), outputs_.device(), workspace_,
+                                              static_cast<size_t>(workspace_bytes_)));
 
     timer.Next(&stats.prepare);
-    RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(d, h, in.size(), cudaMemcpyHostToDevice, stream_));
+    RETURN_IF_CUDA_ERROR(
+        state_, cudaMemcpyAsync(inputs_.device(), h, in.bytes, cudaMemcpyHostToDevice, stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(start_, stream_));
-    const float sm_scale = calls.front()->sm_scale;
-    if (gqa) {
-      GqaParams p;
-      p.cache = g.GqaView(static_cast<bf16*>(pool_.storage));
-      p.batch = dbatch;
-      p.num_qo_heads = g.num_qo_heads;
-      p.q = din(q_at);
-      p.k_new = appends ? din(k_at) : nullptr;
-      p.v_new = appends ? din(v_at) : nullptr;
-      p.out = dout;
-      p.lse = dlse;
-      p.sm_scale = sm_scale;
-      RETURN_IF_CUDA_ERROR(state_, cuda::GqaAppendKv(p, stream_));
-      RETURN_IF_CUDA_ERROR(state_, cuda::GqaAttention(p, dplan, stream_));
-    } else {
-      MlaParams p;
-      p.cache = g.MlaView(static_cast<bf16*>(pool_.storage));
-      p.batch = dbatch;
-      p.num_heads = g.num_qo_heads;
-      p.q_nope = din(q_at);
-      p.q_pe = din(pe_at);
-      p.ckv_new = appends ? din(k_at) : nullptr;
-      p.kpe_new = appends ? din(v_at) : nullptr;
-      p.out = dout;
-      p.lse = dlse;
-      p.sm_scale = sm_scale;
-      RETURN_IF_CUDA_ERROR(state_, cuda::MlaAppendKv(p, stream_));
-      RETURN_IF_CUDA_ERROR(state_, cuda::MlaAttention(p, dplan, stream_));
-    }
+    RETURN_IF_CUDA_ERROR(state_, launch_.Enqueue(stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(stop_, stream_));
-    RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(outputs_.host(), outputs_.device(), out.size(),
+    RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(outputs_.host(), outputs_.device(), out.bytes,
                                                  cudaMemcpyDeviceToHost, stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaStreamSynchronize(stream_));
     timer.Next(&stats.execute);
 
-    ScatterOutputs(calls, merged_, outputs_.host() + out_at, heads * out_dim * 2,
-                   reinterpret_cast<const float*>(outputs_.host() + lse_at),
-                   static_cast<int>(heads));
+    ScatterOutputs(calls, merged_, outputs_.host() + out.out.offset, w.out * int64_t{sizeof(bf16)},
+                   reinterpret_cast<const float*>(outputs_.host() + out.lse.offset),
+                   static_cast<int>(w.lse));
     timer.Next(&stats.finish);
     float ms = 0.f;
     RETURN_IF_CUDA_ERROR(state_, cudaEventElapsedTime(&ms, start_, stop_));
     stats.compute = absl::Microseconds(static_cast<int64_t>(ms * 1e3));
-    stats.bytes_in = static_cast<int64_t>(in.size());
-    stats.bytes_out = static_cast<int64_t>(out.size());
+    stats.bytes_in = static_cast<int64_t>(in.bytes);
+    stats.bytes_out = static_cast<int64_t>(out.bytes);
     return stats;
   }
 
@@ -330,10 +224,10 @@ class CudaLane final : public Lane {
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   void* workspace_ = nullptr;
   cuda::KernelTiling tiling_;
+  int64_t max_partial_rows_ = 0;  // rows of the workspace
   // Reused across launches.
   MergedBatch merged_;
-  AttentionPlan plan_;
-  std::vector<int32_t> q_lens_, kv_lens_;
+  cuda::LaunchPlan launch_;
   StagingPair inputs_, outputs_;
 };
 
@@ -351,8 +245,8 @@ class CudaBackend final : public Backend {
     RETURN_IF_CUDA_ERROR(state_, cudaSetDevice(options_.device));
     RETURN_IF_CUDA_ERROR(state_, cudaGetDeviceProperties(&props_, options_.device));
     if (options_.single_stream) {
-      RETURN_IF_CUDA_ERROR(state_, cudaStreamCreateWithFlags(&shared_stream_,
-                                                             cudaStreamNonBlocking));
+      RETURN_IF_CUDA_ERROR(state_,
+                           cudaStreamCreateWithFlags(&shared_stream_, cudaStreamNonBlocking));
     }
     return absl::OkStatus();
   }

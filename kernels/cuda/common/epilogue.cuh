@@ -1,74 +1,171 @@
-// Writing an attention CTA's results: the final bf16 output (+ base-2 lse) or, for a split-KV
-// chunk, float32 partial (output, lse) rows for the merge pass (kernels/cuda/merge_states.cu).
+// The epilogue every attention kernel ends with: writing a CTA's finished rows, either the final
+// bf16 output (+ base-2 lse) or, for a split-KV chunk, float32 partial (output, lse) rows for the
+// merge pass (kernels/cuda/merge_states.cu). Rows are normalized and their lse finished with the
+// softmax helpers (softmax_state.cuh), so the empty-row rule lives in one place.
 #pragma once
 
 #include <cuda_bf16.h>
 
-#include <cmath>
 #include <cstdint>
 
 #include "kernels/attention.h"
+#include "kernels/cuda/api.h"
+#include "kernels/cuda/common/mma.cuh"
 #include "kernels/cuda/common/softmax_state.cuh"
 
 namespace attn::cuda {
 
-// Destination of a CTA's rows. Packed row p of the sequence is token p / group, query head
-// head_base + p % group.
-struct RowSink {
-  bf16* out;            // [total_q, num_heads, out_dim]
-  float* lse;           // [total_q, num_heads] or null
-  float* partial_out;   // [partial_rows, out_dim]
-  float* partial_lse;   // [partial_rows]
-  int32_t partial_row;  // -1: final output; else the chunk's row of (token 0, head 0)
-  int q_begin;
-  int num_heads;
-  int out_dim;
-  int group;
-  int head_base;
-
-  __device__ __forceinline__ int64_t Row(int packed_row) const {
-    const int token = packed_row / group;
-    const int head = head_base + packed_row % group;
-    return partial_row >= 0 ? int64_t{partial_row} + int64_t{token} * num_heads + head
-                            : (int64_t{q_begin} + token) * num_heads + head;
+// Where a CTA's rows go. Made on the host for the launch (ForGqa / ForMla), passed to the kernel
+// by value, and narrowed to one CTA's work item in the kernel (ForItem). Packed row p of the item
+// (kernels/cuda/plan.h) is token p / group of the sequence, query head head_base + p % group.
+class RowSink {
+ public:
+  // The launch's sink: final rows into params.out / params.lse, partial rows into the plan's
+  // workspace.
+  static RowSink ForGqa(const GqaParams& p, const DevicePlan& plan) {
+    return Launch(p.out, p.lse, plan, p.num_qo_heads, p.cache.head_dim,
+                  p.num_qo_heads / p.cache.num_kv_heads);
   }
+  static RowSink ForMla(const MlaParams& p, const DevicePlan& plan) {
+    return Launch(p.out, p.lse, plan, p.num_heads, kMlaCkvDim, p.num_heads);
+  }
+
+  // One CTA's rows: those of a work item with WorkItem::partial_row `partial_row` (-1: final
+  // output), of a sequence whose first query row is q_begin, for query heads from head_base.
+  __device__ __forceinline__ RowSink ForItem(int32_t partial_row, int q_begin,
+                                             int head_base) const {
+    RowSink s = *this;
+    s.partial_row_ = partial_row;
+    s.q_begin_ = q_begin;
+    s.head_base_ = head_base;
+    return s;
+  }
+
+  // True when the rows are a split-KV chunk's partials.
+  __device__ __forceinline__ bool partial() const { return partial_row_ >= 0; }
+
+  // The output (or workspace) row of packed row p: index into out / lse (or partial_out /
+  // partial_lse) in rows of out_dim.
+  __device__ __forceinline__ int64_t Row(int packed_row) const {
+    const int token = packed_row / group_;
+    const int head = head_base_ + packed_row % group_;
+    return partial() ? int64_t{partial_row_} + int64_t{token} * num_heads_ + head
+                     : (int64_t{q_begin_} + token) * num_heads_ + head;
+  }
+
+  // Columns [col, col + kCols) of `row` (Row()), multiplied by inv (InverseSum): float32 into the
+  // workspace for a partial, bf16 (round to nearest even) into out otherwise. The two halves are
+  // there for a caller that stores several fragments of one row and tests partial() once.
+  template <int kCols>
+  __device__ __forceinline__ void StorePartialColumns(int64_t row, int col, const float (&v)[kCols],
+                                                      float inv) const {
+    static_assert(kCols == 2 || kCols == 4);
+    float* dst = partial_out_ + row * out_dim_ + col;
+    if constexpr (kCols == 2) {
+      *reinterpret_cast<float2*>(dst) = make_float2(v[0] * inv, v[1] * inv);
+    } else {
+      *reinterpret_cast<float4*>(dst) = make_float4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv);
+    }
+  }
+  template <int kCols>
+  __device__ __forceinline__ void StoreOutputColumns(int64_t row, int col, const float (&v)[kCols],
+                                                     float inv) const {
+    static_assert(kCols == 2 || kCols == 4);
+    bf16* dst = out_ + row * out_dim_ + col;
+    if constexpr (kCols == 2) {
+      *reinterpret_cast<uint32_t*>(dst) = PackBf16(v[0] * inv, v[1] * inv);
+    } else {
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(PackBf16(v[0] * inv, v[1] * inv), PackBf16(v[2] * inv, v[3] * inv));
+    }
+  }
+  template <int kCols>
+  __device__ __forceinline__ void StoreColumns(int64_t row, int col, const float (&v)[kCols],
+                                               float inv) const {
+    if (partial()) {
+      StorePartialColumns(row, col, v, inv);
+    } else {
+      StoreOutputColumns(row, col, v, inv);
+    }
+  }
+
+  // True when the launch writes lse.
+  __device__ __forceinline__ bool has_lse() const { return lse_ != nullptr; }
+
+  // The lse of `row` from its final (max, sum): PartialLse into the workspace, or FinalLse into
+  // lse when the launch asked for it (has_lse(): the caller of StoreOutputLse checks). One thread
+  // per row calls it; the halves as above.
+  __device__ __forceinline__ void StorePartialLse(int64_t row, float m, float sum) const {
+    partial_lse_[row] = PartialLse(m, sum);
+  }
+  __device__ __forceinline__ void StoreOutputLse(int64_t row, float m, float sum) const {
+    lse_[row] = FinalLse(m, sum);
+  }
+  __device__ __forceinline__ void StoreLse(int64_t row, float m, float sum) const {
+    if (partial()) {
+      StorePartialLse(row, m, sum);
+    } else if (has_lse()) {
+      StoreOutputLse(row, m, sum);
+    }
+  }
+
+ private:
+  RowSink() = default;
+
+  static RowSink Launch(bf16* out, float* lse, const DevicePlan& plan, int num_heads, int out_dim,
+                        int group) {
+    RowSink s;
+    s.out_ = out;
+    s.lse_ = lse;
+    s.partial_out_ = plan.partial_out;
+    s.partial_lse_ = plan.partial_lse;
+    s.num_heads_ = num_heads;
+    s.out_dim_ = out_dim;
+    s.group_ = group;
+    return s;
+  }
+
+  bf16* out_ = nullptr;           // [total_q, num_heads, out_dim]
+  float* lse_ = nullptr;          // [total_q, num_heads] or null
+  float* partial_out_ = nullptr;  // [partial_rows, out_dim]
+  float* partial_lse_ = nullptr;  // [partial_rows]
+  int num_heads_ = 0;             // query heads per token in out
+  int out_dim_ = 0;               // columns per (token, head) row
+  int group_ = 1;                 // packed rows per token
+  // Set per CTA by ForItem.
+  int32_t partial_row_ = -1;  // -1: final output; else the chunk's row of (token 0, head 0)
+  int q_begin_ = 0;
+  int head_base_ = 0;
 };
 
-// Stores one warp's accumulator fragments: rows (row0 + lane/4) and (+8) of 16, columns
-// col0 + 8 j + 2 (lane % 4) + {0, 1}, normalized by the rows' softmax sums (m, sum: running max
-// and full sum of 2^(s' - m) of rows g and g + 8). Rows at or past `num_rows` (tile padding) are
-// skipped. A row that saw no key is written as 0 with lse kEmptyRowLse (final) or -inf (partial:
-// the merge never reads it).
+// Stores one warp's accumulator fragments (mma C layout): rows row0 + lane / 4 and + 8 of a
+// 16-row tile, columns col0 + 8 j + 2 (lane % 4) + {0, 1}, normalized by the rows' softmax state
+// (m: running max, sums: full sum of 2^(s' - m) of rows g and g + 8). Rows at or past `num_rows`
+// (tile padding) are skipped. `write_lse`: this warp writes the rows' lse (of several warps that
+// hold different columns of the same rows, one does).
 template <int kDTiles>
 __device__ __forceinline__ void StoreRows(const RowSink& sink, const float (&o)[kDTiles][4],
                                           const float (&m)[2], const float (&sums)[2], int row0,
                                           int num_rows, int col0, int lane, bool write_lse) {
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
-    const float sum = sums[x];
     const int p = row0 + (lane >> 2) + 8 * x;
     if (p >= num_rows) continue;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float inv = InverseSum(sums[x]);
     const int64_t row = sink.Row(p);
     const int col = col0 + 2 * (lane & 3);
-    if (sink.partial_row >= 0) {
-      float* dst = sink.partial_out + row * sink.out_dim + col;
+    if (sink.partial()) {
 #pragma unroll
       for (int j = 0; j < kDTiles; ++j) {
-        *reinterpret_cast<float2*>(dst + 8 * j) =
-            make_float2(o[j][2 * x] * inv, o[j][2 * x + 1] * inv);
+        sink.StorePartialColumns<2>(row, col + 8 * j, {o[j][2 * x], o[j][2 * x + 1]}, inv);
       }
-      if ((lane & 3) == 0) sink.partial_lse[row] = sum > 0.f ? m[x] + Log2(sum) : -INFINITY;
+      if (write_lse && (lane & 3) == 0) sink.StorePartialLse(row, m[x], sums[x]);
     } else {
-      __nv_bfloat16* dst = reinterpret_cast<__nv_bfloat16*>(sink.out) + row * sink.out_dim + col;
 #pragma unroll
       for (int j = 0; j < kDTiles; ++j) {
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(o[j][2 * x] * inv, o[j][2 * x + 1] * inv);
+        sink.StoreOutputColumns<2>(row, col + 8 * j, {o[j][2 * x], o[j][2 * x + 1]}, inv);
       }
-      if (write_lse && sink.lse != nullptr && (lane & 3) == 0) {
-        sink.lse[row] = sum > 0.f ? m[x] + Log2(sum) : kEmptyRowLse;
-      }
+      if (write_lse && sink.has_lse() && (lane & 3) == 0) sink.StoreOutputLse(row, m[x], sums[x]);
     }
   }
 }

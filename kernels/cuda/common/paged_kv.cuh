@@ -15,16 +15,19 @@ ATTN_HOST_DEVICE int PowerOfTwoShift(int n) {
   return shift;
 }
 
-// Token `key` of a sequence lives in page pages[key / page_size], slot key % page_size. Row
-// pointers are `base + page * page_stride + slot * token_stride`; base already includes the layer,
-// the KV head and (for V) the offset of the V block.
-struct PagedRows {
-  const bf16* base;
+// The token rows of one sequence in a paged cache, the one addressing every kernel uses: the
+// attention kernels read rows through it (Elem = const bf16) and the append kernel writes them
+// (Elem = bf16). Token `key` lives in page pages[key / page_size], slot key % page_size; its row
+// starts `Offset(key)` elements after `base`, which already includes the layer, the KV head (GQA)
+// and, for V rows, the K block before them (GqaValueOffset).
+template <typename Elem>
+struct PagedRowsOf {
+  Elem* base;
   const int32_t* pages;  // the sequence's kv_indices
   int64_t page_stride;   // elements
   int token_stride;      // elements
   int page_size;
-  int page_shift;        // log2(page_size) when it is a power of two, else -1
+  int page_shift;  // log2(page_size) when it is a power of two, else -1
 
   // Elements from `base` to the row of token `key`.
   __device__ __forceinline__ int64_t Offset(int key) const {
@@ -39,13 +42,17 @@ struct PagedRows {
     return pages[page] * page_stride + static_cast<int64_t>(slot) * token_stride;
   }
 
-  __device__ __forceinline__ const bf16* Row(int key) const { return base + Offset(key); }
+  __device__ __forceinline__ Elem* Row(int key) const { return base + Offset(key); }
 };
 
-// Row offsets of the key tiles a CTA is about to load, looked up one tile ahead and kept in
-// shared memory: the page-table read of a tile is issued early and its latency hides behind the
-// math of the current tile instead of delaying the tile's copies (page size 1 reads one page id
-// per row). Two slots: tile T uses slot T % 2.
+// Rows the attention kernels read.
+using PagedRows = PagedRowsOf<const bf16>;
+
+// Row offsets of the key tiles a CTA is about to load, kept in shared memory: a tile's page-table
+// reads are issued while the CTA still computes an earlier tile, and only stored (Store) once
+// that math is done, so their latency hides behind it instead of delaying the tile's copies (page
+// size 1 reads one page id per row). A tile's offsets are read once, when its copies are issued,
+// so two slots suffice however deep the copy pipeline is: tile T uses slot T % 2.
 template <int kRows>
 struct RowOffsetRing {
   int64_t slot[2][kRows];  // -1: the row is past the key range (zero-filled, never read)
@@ -63,10 +70,14 @@ struct RowOffsetRing {
   __device__ __forceinline__ const int64_t* Offsets(int tile) const { return slot[tile & 1]; }
 };
 
-// K rows of one KV head of a sequence in a GQA cache (V rows: base + VOffset(cache)).
-__device__ __forceinline__ PagedRows GqaKeyRows(const GqaCache& cache, const PagedBatch& batch,
-                                                const SeqExtent& seq, int kv_head) {
-  PagedRows rows;
+// K rows of one KV head of a sequence in a GQA cache; its V rows start GqaValueOffset(cache)
+// elements later. With kv_head 0 a row spans the K of every KV head of the token (the heads of a
+// token are adjacent), which is what an append writes.
+template <typename Elem = const bf16>
+__device__ __forceinline__ PagedRowsOf<Elem> GqaKeyRows(const GqaCache& cache,
+                                                        const PagedBatch& batch,
+                                                        const SeqExtent& seq, int kv_head) {
+  PagedRowsOf<Elem> rows;
   rows.base = cache.data + seq.layer * cache.LayerStride() + kv_head * cache.head_dim;
   rows.pages = batch.kv_indices + seq.page_begin;
   rows.page_stride = cache.PageStride();
@@ -81,10 +92,11 @@ __device__ __forceinline__ int64_t GqaValueOffset(const GqaCache& cache) {
   return cache.page_size * cache.TokenStride();
 }
 
-// The 576-wide rows of a sequence in an MLA cache.
-__device__ __forceinline__ PagedRows MlaRows(const MlaCache& cache, const PagedBatch& batch,
-                                             const SeqExtent& seq) {
-  PagedRows rows;
+// The 576-wide rows (ckv then kpe) of a sequence in an MLA cache.
+template <typename Elem = const bf16>
+__device__ __forceinline__ PagedRowsOf<Elem> MlaRows(const MlaCache& cache, const PagedBatch& batch,
+                                                     const SeqExtent& seq) {
+  PagedRowsOf<Elem> rows;
   rows.base = cache.data + seq.layer * cache.LayerStride();
   rows.pages = batch.kv_indices + seq.page_begin;
   rows.page_stride = cache.PageStride();
@@ -93,6 +105,5 @@ __device__ __forceinline__ PagedRows MlaRows(const MlaCache& cache, const PagedB
   rows.page_shift = PowerOfTwoShift(cache.page_size);
   return rows;
 }
-
 
 }  // namespace attn::cuda

@@ -1,67 +1,203 @@
-// Online softmax (FlashAttention) for the two rows one lane of an mma tile holds: rows g and g+8
-// of a 16-row tile, columns spread over the 4 lanes of the quad. All values are in log2 units:
-// s' = sm_scale * log2(e) * q.k, so p = 2^(s' - m) and the base-2 lse is m + log2(sum p).
+// Online softmax (FlashAttention), the one every attention kernel uses, in log2 units: raw scores
+// s = q.k become s' = s * scale_log2 (scale_log2 = sm_scale * log2(e)), probabilities are
+// p = 2^(s' - m) against the running maximum m of s', and a row's base-2 lse is m + log2(sum p).
+//
+// The roles, from a key tile to the row's result:
+//   OnlineSoftmax       the running (m, sum) of the two rows a lane holds in an mma.sync tile:
+//                       Update() for a tile whose whole row is in this warp; TileMax, Rescale
+//                       and Exponentiate for a row whose keys are spread over several warps
+//                       (their maxima are combined between TileMax and Rescale).
+//   RescaleAccumulator  applies Rescale's factor to the row's output accumulator.
+//   SoftmaxExchange     the cross-warp merge: warps that hold states of the same rows (over
+//                       different keys) combine them through shared memory.
+//   InverseSum, FinalLse, PartialLse
+//                       finishing a row: the output's normalizer and its lse, including the
+//                       contract's rule for a row that saw no key (kernels/attention.h).
+// The split-KV merge (merge_states.cu) combines chunks with the same ExpBase and FinalLse.
 #pragma once
 
 #include <cmath>
 
+#include "kernels/attention.h"
 #include "kernels/cuda/common/math.cuh"
 #include "kernels/cuda/common/mma.cuh"
 
 namespace attn::cuda {
 
-template <int kNTiles>  // 8-column tiles of the score block
+// The offset probabilities are taken against for a row whose running maximum is m: m itself, or 0
+// while the row has seen only masked keys (m = -inf), so that 2^(-inf - 0) = 0 instead of NaN.
+__device__ __forceinline__ float ExpBase(float m) { return m == -INFINITY ? 0.f : m; }
+
+// The factor that normalizes a row's output accumulator: 1 / sum, or 0 for a row that saw no key
+// (its accumulator is 0 as well, so the output is the contract's 0).
+__device__ __forceinline__ float InverseSum(float sum) { return sum > 0.f ? 1.f / sum : 0.f; }
+
+// The lse of a finished row: m + log2(sum), or kEmptyRowLse for a row that saw no key.
+__device__ __forceinline__ float FinalLse(float m, float sum) {
+  return sum > 0.f ? m + Log2(sum) : kEmptyRowLse;
+}
+
+// The lse of a split-KV chunk's partial row: as FinalLse, but -inf for a chunk the row saw no key
+// of, which gives the chunk weight 0 in the merge.
+__device__ __forceinline__ float PartialLse(float m, float sum) {
+  return sum > 0.f ? m + Log2(sum) : -INFINITY;
+}
+
+// The running state of rows g and g + 8 (g = lane / 4) of a 16-row mma tile; a row's scores are
+// spread over the 4 lanes of its quad (kNTiles 8-column tiles, mma C layout: s[j][0..1] row g,
+// s[j][2..3] row g + 8). x in 0, 1 selects the row.
+template <int kNTiles>
 struct OnlineSoftmax {
   float m[2] = {-INFINITY, -INFINITY};  // running max of s' per row
   float d[2] = {0.f, 0.f};              // this lane's share of the running sum of p
 
-  // Turns raw scores s (masked entries already -inf) into p = 2^(s * scale_log2 - m_new),
-  // updating m and d. alpha[x] is the factor the row's output accumulator must be multiplied by.
+  // This lane's maximum of row x's scores in s' units (masked entries are -inf). For a positive
+  // scale that is the raw maximum times the scale (and Exponentiate folds the scale into one FFMA
+  // per score). Other scales (negative or zero: legal, if unusual) scale s in place first, keeping
+  // masked -inf entries at -inf, then take the maximum.
+  __device__ __forceinline__ static float TileMax(float (&s)[kNTiles][4], int x, float scale_log2) {
+    float tile_max = -INFINITY;
+    if (scale_log2 > 0.f) {
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) {
+        tile_max = fmaxf(tile_max, fmaxf(s[j][2 * x], s[j][2 * x + 1]));
+      }
+      return tile_max * scale_log2;
+    }
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int c = 2 * x; c < 2 * x + 2; ++c) {
+        // -inf (masked) times a non-positive scale must stay -inf, not +inf or NaN.
+        s[j][c] = s[j][c] == -INFINITY ? -INFINITY : s[j][c] * scale_log2;
+        tile_max = fmaxf(tile_max, s[j][c]);
+      }
+    }
+    return tile_max;
+  }
+
+  // What Rescale hands to Exponentiate.
+  struct Rescaled {
+    float alpha;  // 2^(m_old - m_new): the factor for the row's sum and output accumulator
+    float base;   // ExpBase(m_new)
+  };
+
+  // Folds the tile's maximum of row x (over all of the row's columns, in s' units) into m.
+  __device__ __forceinline__ Rescaled Rescale(int x, float tile_max) {
+    const float m_new = fmaxf(m[x], tile_max);
+    const float base = ExpBase(m_new);
+    const Rescaled r{Exp2(m[x] - base), base};
+    m[x] = m_new;
+    return r;
+  }
+
+  // Turns row x's scores into p = 2^(s' - m) in place (r from this tile's Rescale of the row) and
+  // adds them to the row's sum, after scaling the sum by r.alpha.
+  __device__ __forceinline__ void Exponentiate(float (&s)[kNTiles][4], int x, float scale_log2,
+                                               const Rescaled& r) {
+    const float scale = scale_log2 > 0.f ? scale_log2 : 1.f;  // TileMax applied it otherwise
+    const float base = r.base;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+      s[j][2 * x] = Exp2(fmaf(s[j][2 * x], scale, -base));
+      s[j][2 * x + 1] = Exp2(fmaf(s[j][2 * x + 1], scale, -base));
+      sum += s[j][2 * x] + s[j][2 * x + 1];
+    }
+    d[x] = d[x] * r.alpha + sum;
+  }
+
+  // One tile whose rows are whole in this warp: raw scores s (masked entries already -inf) become
+  // p. alpha[x] is the factor row x's output accumulator must be multiplied by.
   __device__ __forceinline__ void Update(float (&s)[kNTiles][4], float scale_log2,
                                          float (&alpha)[2]) {
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
-      // For a positive scale the scaled maximum is the raw maximum times the scale, and each
-      // score below costs one FFMA. Other scales (negative or zero: legal, if unusual) scale
-      // first, keeping masked -inf entries at -inf, then take the maximum.
-      float tile_max = -INFINITY;
-      if (scale_log2 > 0.f) {
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
-          tile_max = fmaxf(tile_max, fmaxf(s[j][2 * x], s[j][2 * x + 1]));
-        }
-        tile_max *= scale_log2;
-      } else {
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
-#pragma unroll
-          for (int c = 2 * x; c < 2 * x + 2; ++c) {
-            // -inf (masked) times a non-positive scale must stay -inf, not +inf or NaN.
-            s[j][c] = s[j][c] == -INFINITY ? -INFINITY : s[j][c] * scale_log2;
-            tile_max = fmaxf(tile_max, s[j][c]);
-          }
-        }
-      }
-      const float scale = scale_log2 > 0.f ? scale_log2 : 1.f;  // already applied otherwise
-      const float m_new = fmaxf(m[x], QuadMax(tile_max));
-      // A row that has seen only masked keys keeps m = -inf; subtract 0 then so 2^(-inf) = 0
-      // instead of NaN.
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      alpha[x] = Exp2(m[x] - base);
-      m[x] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-        s[j][2 * x] = Exp2(fmaf(s[j][2 * x], scale, -base));
-        s[j][2 * x + 1] = Exp2(fmaf(s[j][2 * x + 1], scale, -base));
-        sum += s[j][2 * x] + s[j][2 * x + 1];
-      }
-      d[x] = d[x] * alpha[x] + sum;
+      const Rescaled r = Rescale(x, QuadMax(TileMax(s, x, scale_log2)));
+      Exponentiate(s, x, scale_log2, r);
+      alpha[x] = r.alpha;
     }
   }
 
-  // The row's full sum of p (reduced over the quad).
+  // Row x's sum of p over the keys this warp saw (reduced over the quad).
   __device__ __forceinline__ float RowSum(int x) const { return QuadSum(d[x]); }
+};
+
+// Multiplies the output accumulator fragments of rows g (o[j][0..1]) and g + 8 (o[j][2..3]) by
+// their alpha.
+template <int kDTiles>
+__device__ __forceinline__ void RescaleAccumulator(float (&o)[kDTiles][4],
+                                                   const float (&alpha)[2]) {
+#pragma unroll
+  for (int j = 0; j < kDTiles; ++j) {
+    o[j][0] *= alpha[0];
+    o[j][1] *= alpha[0];
+    o[j][2] *= alpha[1];
+    o[j][3] *= alpha[1];
+  }
+}
+
+// The cross-warp merge. kParts warps hold states of the same kRows rows: each over different keys
+// of the rows (GQA decode: the warps split every key tile), or over the same keys with different
+// output columns (MLA: the warps share each tile's maximum, so their m agree). Each publishes its
+// (m, sum) per row; after a barrier any thread merges a row. Views two [kParts][kRows] float
+// arrays of shared memory.
+template <int kParts, int kRows>
+struct SoftmaxExchange {
+  static constexpr int kBytes = 2 * kParts * kRows * static_cast<int>(sizeof(float));
+
+  float* m;    // [kParts][kRows]
+  float* sum;  // [kParts][kRows]
+
+  __device__ __forceinline__ static SoftmaxExchange At(void* smem) {
+    float* f = static_cast<float*>(smem);
+    return {f, f + kParts * kRows};
+  }
+
+  // One value per row and part, for MaxOf (a tile's maximum, combined before Rescale).
+  __device__ __forceinline__ void PublishMax(int part, int row, float value) const {
+    m[part * kRows + row] = value;
+  }
+  __device__ __forceinline__ float MaxOf(int row) const {
+    float v = -INFINITY;
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) v = fmaxf(v, m[p * kRows + row]);
+    return v;
+  }
+
+  // A part's state of a row: its running max and its full (quad-reduced) sum.
+  __device__ __forceinline__ void Publish(int part, int row, float row_max, float row_sum) const {
+    m[part * kRows + row] = row_max;
+    sum[part * kRows + row] = row_sum;
+  }
+
+  // The sum of a row whose parts' maxima agree (MLA: every warp folded the same tile maxima into
+  // its m), in part order, so every thread that asks gets the same value.
+  __device__ __forceinline__ float SumOf(int row) const {
+    float v = 0.f;
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) v += sum[p * kRows + row];
+    return v;
+  }
+
+  struct Merged {
+    float m;    // the row's max over all parts
+    float sum;  // the row's sum of p against m
+  };
+  // The merged state of `row`; weight[p] = 2^(m_p - m) is what part p's unnormalized output
+  // accumulator is multiplied by before the parts' accumulators are added.
+  __device__ __forceinline__ Merged Merge(int row, float (&weight)[kParts]) const {
+    Merged r;
+    r.m = MaxOf(row);
+    const float base = ExpBase(r.m);
+    r.sum = 0.f;
+#pragma unroll
+    for (int p = 0; p < kParts; ++p) {
+      weight[p] = Exp2(m[p * kRows + row] - base);
+      r.sum += weight[p] * sum[p * kRows + row];
+    }
+    return r;
+  }
 };
 
 // Masks (sets to -inf) the scores of keys at or past each row's limit. Column c of 8-column tile j

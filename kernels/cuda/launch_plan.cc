@@ -1,0 +1,207 @@
+#include "kernels/cuda/launch_plan.h"
+
+#include <cstring>
+
+#include "kernels/cuda/common/cuda_check.h"
+
+namespace attn::cuda {
+namespace {
+
+// Appends sections to a buffer at kStagingAlign-aligned offsets.
+class Sections {
+ public:
+  StagingSection Add(size_t bytes) {
+    const StagingSection s{size_, bytes};
+    size_ = (size_ + bytes + kStagingAlign - 1) / kStagingAlign * kStagingAlign;
+    return s;
+  }
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_ = 0;
+};
+
+size_t Int32s(int64_t n) { return static_cast<size_t>(n) * sizeof(int32_t); }
+size_t Bf16Rows(int64_t rows, int64_t width) { return static_cast<size_t>(rows * width) * 2; }
+
+void Put(char* base, const StagingSection& s, const void* src) {
+  if (s.bytes > 0) std::memcpy(base + s.offset, src, s.bytes);
+}
+
+template <typename T>
+const T* InputAt(const void* base, const StagingSection& s) {
+  return reinterpret_cast<const T*>(static_cast<const char*>(base) + s.offset);
+}
+
+template <typename T>
+T* OutputAt(void* base, const StagingSection& s) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + s.offset);
+}
+
+// The params' geometry and scalars; the device pointers are bound later.
+template <typename Params, typename Cache>
+Params Unbound(const Cache& cache, const LaunchOptions& o) {
+  Params p;
+  p.cache = cache;
+  p.sm_scale = o.sm_scale;
+  p.causal = o.causal;
+  return p;
+}
+
+}  // namespace
+
+RowWidths GqaRowWidths(const GqaCache& cache, int num_qo_heads) {
+  RowWidths w;
+  w.q = int64_t{num_qo_heads} * cache.head_dim;
+  w.k_new = w.v_new = cache.TokenStride();
+  w.out = w.q;
+  w.lse = num_qo_heads;
+  return w;
+}
+
+RowWidths MlaRowWidths(int num_heads) {
+  RowWidths w;
+  w.q = int64_t{num_heads} * kMlaCkvDim;
+  w.q_pe = int64_t{num_heads} * kMlaKpeDim;
+  w.k_new = kMlaCkvDim;
+  w.v_new = kMlaKpeDim;
+  w.out = w.q;
+  w.lse = num_heads;
+  return w;
+}
+
+void LaunchPlan::PlanGqa(const GqaCache& cache, int num_qo_heads, const PagedBatch& batch,
+                         const LaunchOptions& options) {
+  mla_ = false;
+  gqa_ = Unbound<GqaParams>(cache, options);
+  gqa_.num_qo_heads = num_qo_heads;
+  widths_ = GqaRowWidths(cache, num_qo_heads);
+  Plan(batch, cache.page_size, GqaPlanConfig(gqa_, options.tiling, options.max_partial_rows),
+       options);
+}
+
+void LaunchPlan::PlanMla(const MlaCache& cache, int num_heads, const PagedBatch& batch,
+                         const LaunchOptions& options) {
+  mla_ = true;
+  mla_params_ = Unbound<MlaParams>(cache, options);
+  mla_params_.num_heads = num_heads;
+  widths_ = MlaRowWidths(num_heads);
+  Plan(batch, cache.page_size, MlaPlanConfig(mla_params_, options.tiling, options.max_partial_rows),
+       options);
+}
+
+void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
+                      const LaunchOptions& options) {
+  host_batch_ = batch;
+  append_ = options.append;
+  lse_ = options.lse;
+  const int n = batch.batch_size;
+  q_lens_.resize(n);
+  kv_lens_.resize(n);
+  for (int b = 0; b < n; ++b) {
+    const SeqExtent e = GetSeqExtent(batch, page_size, b);
+    q_lens_[b] = e.q_len;
+    kv_lens_[b] = e.kv_len;
+  }
+  if (options.min_chunk_len > 0) config.min_chunk_len = options.min_chunk_len;
+  if (options.target_waves > 0) config.target_waves = options.target_waves;
+  plan_ = PlanAttention(config, q_lens_.data(), kv_lens_.data(), n);
+  device_plan_ = DevicePlan{};
+  device_plan_.variant = options.tiling.variant;
+
+  const int64_t rows = batch.total_q;
+  Sections in;
+  inputs_.q = in.Add(Bf16Rows(rows, widths_.q));
+  inputs_.q_pe = in.Add(Bf16Rows(rows, widths_.q_pe));
+  inputs_.k_new = in.Add(append_ ? Bf16Rows(rows, widths_.k_new) : 0);
+  inputs_.v_new = in.Add(append_ ? Bf16Rows(rows, widths_.v_new) : 0);
+  inputs_.qo_indptr = in.Add(batch.qo_indptr ? Int32s(n + 1) : 0);
+  inputs_.kv_indptr = in.Add(Int32s(n + 1));
+  inputs_.kv_indices = in.Add(Int32s(batch.kv_indptr[n]));
+  inputs_.kv_last_page_len = in.Add(Int32s(n));
+  inputs_.seq_layer = in.Add(batch.seq_layer ? Int32s(n) : 0);
+  inputs_.items = in.Add(plan_.items.size() * sizeof(WorkItem));
+  inputs_.merges = in.Add(plan_.merges.size() * sizeof(MergeRow));
+  inputs_.bytes = in.size();
+
+  Sections out;
+  outputs_.out = out.Add(Bf16Rows(rows, widths_.out));
+  outputs_.lse = out.Add(lse_ ? static_cast<size_t>(rows * widths_.lse) * sizeof(float) : 0);
+  outputs_.bytes = out.size();
+}
+
+size_t LaunchPlan::WorkspaceBytes() const {
+  return static_cast<size_t>(plan_.partial_rows) * (out_dim() + 1) * sizeof(float);
+}
+
+void LaunchPlan::WriteIndices(void* host_inputs) const {
+  char* h = static_cast<char*>(host_inputs);
+  Put(h, inputs_.qo_indptr, host_batch_.qo_indptr);
+  Put(h, inputs_.kv_indptr, host_batch_.kv_indptr);
+  Put(h, inputs_.kv_indices, host_batch_.kv_indices);
+  Put(h, inputs_.kv_last_page_len, host_batch_.kv_last_page_len);
+  Put(h, inputs_.seq_layer, host_batch_.seq_layer);
+  Put(h, inputs_.items, plan_.items.data());
+  Put(h, inputs_.merges, plan_.merges.data());
+}
+
+cudaError_t LaunchPlan::Bind(const void* device_inputs, void* device_outputs, void* workspace,
+                             size_t workspace_bytes) {
+  if (workspace_bytes < WorkspaceBytes()) return cudaErrorInvalidValue;
+  const void* d = device_inputs;
+  PagedBatch batch = host_batch_;
+  batch.qo_indptr = batch.qo_indptr ? InputAt<int32_t>(d, inputs_.qo_indptr) : nullptr;
+  batch.kv_indptr = InputAt<int32_t>(d, inputs_.kv_indptr);
+  batch.kv_indices = InputAt<int32_t>(d, inputs_.kv_indices);
+  batch.kv_last_page_len = InputAt<int32_t>(d, inputs_.kv_last_page_len);
+  batch.seq_layer = batch.seq_layer ? InputAt<int32_t>(d, inputs_.seq_layer) : nullptr;
+
+  const bf16* q = InputAt<bf16>(d, inputs_.q);
+  const bf16* k_new = append_ ? InputAt<bf16>(d, inputs_.k_new) : nullptr;
+  const bf16* v_new = append_ ? InputAt<bf16>(d, inputs_.v_new) : nullptr;
+  bf16* out = OutputAt<bf16>(device_outputs, outputs_.out);
+  float* lse = lse_ ? OutputAt<float>(device_outputs, outputs_.lse) : nullptr;
+  if (mla_) {
+    MlaParams& p = mla_params_;
+    p.batch = batch;
+    p.q_nope = q;
+    p.q_pe = InputAt<bf16>(d, inputs_.q_pe);
+    p.ckv_new = k_new;
+    p.kpe_new = v_new;
+    p.out = out;
+    p.lse = lse;
+  } else {
+    GqaParams& p = gqa_;
+    p.batch = batch;
+    p.q = q;
+    p.k_new = k_new;
+    p.v_new = v_new;
+    p.out = out;
+    p.lse = lse;
+  }
+
+  device_plan_.items = InputAt<WorkItem>(d, inputs_.items);
+  device_plan_.num_items = static_cast<int>(plan_.items.size());
+  device_plan_.merges = InputAt<MergeRow>(d, inputs_.merges);
+  device_plan_.num_merges = static_cast<int>(plan_.merges.size());
+  device_plan_.max_splits = plan_.max_splits;
+  device_plan_.partial_out = static_cast<float*>(workspace);
+  device_plan_.partial_lse = device_plan_.partial_out + plan_.partial_rows * out_dim();
+  return cudaSuccess;
+}
+
+cudaError_t LaunchPlan::EnqueueAppend(cudaStream_t stream) const {
+  return mla_ ? MlaAppendKv(mla_params_, stream) : GqaAppendKv(gqa_, stream);
+}
+
+cudaError_t LaunchPlan::EnqueueAttention(cudaStream_t stream) const {
+  return mla_ ? MlaAttention(mla_params_, device_plan_, stream)
+              : GqaAttention(gqa_, device_plan_, stream);
+}
+
+cudaError_t LaunchPlan::Enqueue(cudaStream_t stream) const {
+  ATTN_CUDA_RETURN_IF_ERROR(EnqueueAppend(stream));
+  return EnqueueAttention(stream);
+}
+
+}  // namespace attn::cuda

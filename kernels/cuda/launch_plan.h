@@ -1,0 +1,156 @@
+// One launch of the CUDA attention kernels, from the host's description of a batch to the device
+// pointers the kernels read: the single binding that the CUDA backend and the kernel tests and
+// benchmark share (the idea of FlashInfer's plan info, here with the inputs in the same buffer).
+//
+// Everything a launch reads besides the pool's cache and the split-KV workspace travels in one
+// staging buffer, laid out by the plan at kStagingAlign-aligned offsets, with one host-to-device
+// copy; everything it writes comes back from one output buffer:
+//
+//   inputs:  q | q_pe (MLA) | k_new | v_new (appends) | qo_indptr (prefill) | kv_indptr |
+//            kv_indices | kv_last_page_len | seq_layer (when given) | work items | merge rows
+//   outputs: out | lse (when asked)
+//
+// Per launch (one LaunchPlan per stream, reused: its vectors keep their capacity):
+//   plan.PlanGqa(cache, num_qo_heads, host_batch, options);  // lengths, plan, layout (host)
+//   // write each tensor's rows at inputs().q.offset, ... of a host buffer of inputs().bytes
+//   plan.WriteIndices(host_inputs);                          // page table, items, merges
+//   // copy the inputs().bytes of host_inputs to device_inputs
+//   plan.Bind(device_inputs, device_outputs, workspace, workspace_bytes);
+//   plan.Enqueue(stream);                                    // append, attention, merge
+//   // copy the outputs().bytes back: out at outputs().out.offset, lse at outputs().lse.offset
+//
+// Not thread-safe: one object per lane (or test batch).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/attention.h"
+#include "kernels/cuda/api.h"
+#include "kernels/cuda/plan.h"
+
+namespace attn::cuda {
+
+// Offsets of the staging sections (bytes; device buffers from cudaMalloc are at least this
+// aligned, so every section is aligned for 16-byte vector access on both sides).
+inline constexpr size_t kStagingAlign = 256;
+
+// One section of a staging buffer. bytes == 0: the section is empty (or absent; absent optional
+// tensors are bound as nullptr).
+struct StagingSection {
+  size_t offset = 0;
+  size_t bytes = 0;
+};
+
+struct InputLayout {
+  StagingSection q;                 // bf16 [total_q, RowWidths::q]
+  StagingSection q_pe;              // bf16 [total_q, RowWidths::q_pe] (MLA)
+  StagingSection k_new;             // bf16 [total_q, RowWidths::k_new] (appends)
+  StagingSection v_new;             // bf16 [total_q, RowWidths::v_new] (appends)
+  StagingSection qo_indptr;         // int32 [batch_size + 1] (prefill)
+  StagingSection kv_indptr;         // int32 [batch_size + 1]
+  StagingSection kv_indices;        // int32 [kv_indptr[batch_size]]
+  StagingSection kv_last_page_len;  // int32 [batch_size] (a trailing extra entry is dropped)
+  StagingSection seq_layer;         // int32 [batch_size] (when the batch has one)
+  StagingSection items;             // WorkItem [plan().items.size()]
+  StagingSection merges;            // MergeRow [plan().merges.size()]
+  size_t bytes = 0;                 // the whole buffer
+};
+
+struct OutputLayout {
+  StagingSection out;  // bf16 [total_q, RowWidths::out]
+  StagingSection lse;  // float [total_q, RowWidths::lse] (when asked)
+  size_t bytes = 0;
+};
+
+// Elements per query row of a launch's tensors (the pool's row shapes).
+struct RowWidths {
+  int64_t q = 0;      // GQA: num_qo_heads * head_dim; MLA: q_nope, num_heads * kMlaCkvDim
+  int64_t q_pe = 0;   // MLA: num_heads * kMlaKpeDim; GQA: 0
+  int64_t k_new = 0;  // GQA: num_kv_heads * head_dim; MLA: ckv, kMlaCkvDim
+  int64_t v_new = 0;  // GQA: as k_new; MLA: kpe, kMlaKpeDim
+  int64_t out = 0;    // num_qo_heads * out_dim (head_dim; MLA kMlaCkvDim)
+  int64_t lse = 0;    // num_qo_heads (floats)
+};
+
+RowWidths GqaRowWidths(const GqaCache& cache, int num_qo_heads);
+RowWidths MlaRowWidths(int num_heads);
+
+struct LaunchOptions {
+  bool append = false;  // new K/V (ckv/kpe) rows are staged and written into the cache first
+  bool lse = false;     // the launch writes lse
+  float sm_scale = 0.f;
+  bool causal = true;
+  KernelTiling tiling;  // of the kernel that serves the launch (GetGqaTiling / GetMlaTiling)
+  // The split-KV workspace's capacity, in (token, head) rows (WorkspaceBytes() <= capacity *
+  // (out_dim + 1) * 4 bytes).
+  int64_t max_partial_rows = 0;
+  // Planner settings to override (benchmarks sweep them); 0 keeps the kernel's own.
+  int min_chunk_len = 0;
+  double target_waves = 0;
+};
+
+class LaunchPlan {
+ public:
+  // Plans a GQA launch of `batch` over `cache`: cache.data is the pool's device storage; the
+  // batch's arrays are host memory, validated (kernels/attention.h), and are read here and by
+  // WriteIndices, so they must stay valid until then. Decode when batch.qo_indptr is null.
+  void PlanGqa(const GqaCache& cache, int num_qo_heads, const PagedBatch& batch,
+               const LaunchOptions& options);
+  // The same for MLA (`num_heads` query heads).
+  void PlanMla(const MlaCache& cache, int num_heads, const PagedBatch& batch,
+               const LaunchOptions& options);
+
+  const InputLayout& inputs() const { return inputs_; }
+  const OutputLayout& outputs() const { return outputs_; }
+  const RowWidths& widths() const { return widths_; }
+  const AttentionPlan& plan() const { return plan_; }
+  // Split-KV workspace bytes this launch uses: partial outputs, then their lse.
+  size_t WorkspaceBytes() const;
+
+  // Copies the page table, the work items and the merge rows into their sections of
+  // `host_inputs` (inputs().bytes); the caller writes the tensors' sections.
+  void WriteIndices(void* host_inputs) const;
+
+  // Points the launch's params and device plan into `device_inputs` (holding the staged inputs
+  // once the copy has run), `device_outputs` (outputs().bytes) and `workspace`.
+  // cudaErrorInvalidValue when the workspace is smaller than WorkspaceBytes().
+  cudaError_t Bind(const void* device_inputs, void* device_outputs, void* workspace,
+                   size_t workspace_bytes);
+
+  // Enqueued on `stream` after Bind: the append (when the launch appends), then attention and the
+  // split-KV merge. The attention alone is what a benchmark times once the cache holds the rows.
+  cudaError_t Enqueue(cudaStream_t stream) const;
+  cudaError_t EnqueueAppend(cudaStream_t stream) const;
+  cudaError_t EnqueueAttention(cudaStream_t stream) const;
+
+  bool mla() const { return mla_; }
+  // Valid after Bind: the kernels' view of the launch.
+  const GqaParams& gqa_params() const { return gqa_; }
+  const MlaParams& mla_params() const { return mla_params_; }
+  const DevicePlan& device_plan() const { return device_plan_; }
+
+ private:
+  void Plan(const PagedBatch& batch, int page_size, PlanConfig config,
+            const LaunchOptions& options);
+  int out_dim() const { return mla_ ? kMlaCkvDim : gqa_.cache.head_dim; }
+
+  bool mla_ = false;
+  bool append_ = false;
+  bool lse_ = false;
+  PagedBatch host_batch_;  // the caller's host arrays, until WriteIndices
+  RowWidths widths_;
+  InputLayout inputs_;
+  OutputLayout outputs_;
+  AttentionPlan plan_;
+  std::vector<int32_t> q_lens_, kv_lens_;
+  // Geometry and scalars from Plan*; device pointers from Bind.
+  GqaParams gqa_;
+  MlaParams mla_params_;
+  DevicePlan device_plan_;
+};
+
+}  // namespace attn::cuda

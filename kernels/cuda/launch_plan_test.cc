@@ -1,0 +1,185 @@
+// The launch binding's host side: layout, staged indices and bound pointers. Needs no GPU (it
+// binds host buffers standing in for device ones and launches nothing).
+#include "kernels/cuda/launch_plan.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace attn::cuda {
+namespace {
+
+KernelTiling Tiling(int block_m, int num_sms) {
+  KernelTiling t;
+  t.variant = 3;
+  t.block_m = block_m;
+  t.block_n = 64;
+  t.ctas_per_sm = 1;
+  t.num_sms = num_sms;
+  t.min_chunk_len = 256;
+  return t;
+}
+
+// Sections in buffer order; each must start at an aligned offset after the previous one's end.
+void ExpectPacked(const std::vector<StagingSection>& sections, size_t total) {
+  size_t end = 0;
+  for (const StagingSection& s : sections) {
+    EXPECT_EQ(s.offset % kStagingAlign, 0u);
+    EXPECT_GE(s.offset, end);
+    end = s.offset + s.bytes;
+  }
+  EXPECT_GE(total, end);
+  EXPECT_EQ(total % kStagingAlign, 0u);
+}
+
+template <typename T>
+std::vector<T> Read(const std::vector<char>& buffer, const StagingSection& s) {
+  std::vector<T> v(s.bytes / sizeof(T));
+  if (!v.empty()) std::memcpy(v.data(), buffer.data() + s.offset, s.bytes);
+  return v;
+}
+
+// Two prefill sequences (3 tokens on 20 keys, 5 on 5), page size 4, 8/2 heads of 64.
+struct GqaBatch {
+  std::vector<int32_t> qo_indptr{0, 3, 8};
+  std::vector<int32_t> kv_indptr{0, 5, 7};
+  std::vector<int32_t> kv_indices{9, 2, 7, 4, 0, 3, 8};
+  std::vector<int32_t> last{4, 1, 0};  // a trailing extra entry, which is not staged
+  GqaCache cache{nullptr, 1, 10, 4, 2, 64};
+
+  PagedBatch View() const {
+    PagedBatch b;
+    b.batch_size = 2;
+    b.total_q = 8;
+    b.qo_indptr = qo_indptr.data();
+    b.kv_indptr = kv_indptr.data();
+    b.kv_indices = kv_indices.data();
+    b.kv_last_page_len = last.data();
+    return b;
+  }
+};
+
+TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
+  GqaBatch t;
+  LaunchOptions o;
+  o.append = true;
+  o.lse = false;
+  o.sm_scale = 0.125f;
+  o.tiling = Tiling(64, 132);
+  o.max_partial_rows = 1 << 20;
+  LaunchPlan plan;
+  plan.PlanGqa(t.cache, 8, t.View(), o);
+
+  const RowWidths& w = plan.widths();
+  EXPECT_EQ(w.q, 8 * 64);
+  EXPECT_EQ(w.k_new, 2 * 64);
+  EXPECT_EQ(w.v_new, 2 * 64);
+  EXPECT_EQ(w.q_pe, 0);
+  const InputLayout& in = plan.inputs();
+  EXPECT_EQ(in.q.bytes, 8u * 8 * 64 * 2);
+  EXPECT_EQ(in.q_pe.bytes, 0u);
+  EXPECT_EQ(in.k_new.bytes, 8u * 2 * 64 * 2);
+  EXPECT_EQ(in.qo_indptr.bytes, 3u * 4);
+  EXPECT_EQ(in.kv_indices.bytes, 7u * 4);
+  EXPECT_EQ(in.kv_last_page_len.bytes, 2u * 4);
+  EXPECT_EQ(in.seq_layer.bytes, 0u);
+  EXPECT_EQ(in.items.bytes, plan.plan().items.size() * sizeof(WorkItem));
+  ExpectPacked({in.q, in.q_pe, in.k_new, in.v_new, in.qo_indptr, in.kv_indptr, in.kv_indices,
+                in.kv_last_page_len, in.seq_layer, in.items, in.merges},
+               in.bytes);
+  EXPECT_EQ(plan.outputs().out.bytes, 8u * 8 * 64 * 2);
+  EXPECT_EQ(plan.outputs().lse.bytes, 0u);
+
+  std::vector<char> host(in.bytes, 0);
+  plan.WriteIndices(host.data());
+  EXPECT_EQ(Read<int32_t>(host, in.qo_indptr), t.qo_indptr);
+  EXPECT_EQ(Read<int32_t>(host, in.kv_indptr), t.kv_indptr);
+  EXPECT_EQ(Read<int32_t>(host, in.kv_indices), t.kv_indices);
+  EXPECT_EQ(Read<int32_t>(host, in.kv_last_page_len), (std::vector<int32_t>{4, 1}));
+  const std::vector<WorkItem> items = Read<WorkItem>(host, in.items);
+  ASSERT_EQ(items.size(), plan.plan().items.size());
+  EXPECT_EQ(std::memcmp(items.data(), plan.plan().items.data(), in.items.bytes), 0);
+
+  // Host buffers stand in for the device ones: Bind only computes pointers.
+  std::vector<char> device_in(in.bytes), device_out(plan.outputs().bytes);
+  ASSERT_EQ(plan.Bind(device_in.data(), device_out.data(), nullptr, 0), cudaSuccess);
+  const GqaParams& p = plan.gqa_params();
+  const char* d = device_in.data();
+  EXPECT_EQ(reinterpret_cast<const char*>(p.q), d + in.q.offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(p.k_new), d + in.k_new.offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(p.v_new), d + in.v_new.offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(p.batch.qo_indptr), d + in.qo_indptr.offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(p.batch.kv_indices), d + in.kv_indices.offset);
+  EXPECT_EQ(p.batch.seq_layer, nullptr);
+  EXPECT_EQ(p.batch.batch_size, 2);
+  EXPECT_EQ(p.batch.total_q, 8);
+  EXPECT_EQ(reinterpret_cast<char*>(p.out), device_out.data() + plan.outputs().out.offset);
+  EXPECT_EQ(p.lse, nullptr);
+  EXPECT_EQ(p.cache.num_kv_heads, 2);
+  EXPECT_EQ(p.num_qo_heads, 8);
+  EXPECT_EQ(p.sm_scale, 0.125f);
+  EXPECT_EQ(reinterpret_cast<const char*>(plan.device_plan().items), d + in.items.offset);
+  EXPECT_EQ(plan.device_plan().num_items, static_cast<int>(items.size()));
+  EXPECT_EQ(plan.device_plan().variant, 3);
+}
+
+TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
+  // One decode sequence of 4096 keys on 4 SMs: split-KV, so the plan has merges and partials.
+  std::vector<int32_t> kv_indptr{0, 64}, kv_indices(64), last{64}, layer{1};
+  for (int i = 0; i < 64; ++i) kv_indices[i] = 63 - i;
+  PagedBatch b;
+  b.batch_size = 1;
+  b.total_q = 1;
+  b.kv_indptr = kv_indptr.data();
+  b.kv_indices = kv_indices.data();
+  b.kv_last_page_len = last.data();
+  b.seq_layer = layer.data();
+  LaunchOptions o;
+  o.lse = true;
+  o.tiling = Tiling(16, 4);
+  o.max_partial_rows = 1 << 20;
+  LaunchPlan plan;
+  plan.PlanMla(MlaCache{nullptr, 2, 64, 64}, 16, b, o);
+  ASSERT_GT(plan.plan().chunk_len, 0);
+  ASSERT_EQ(plan.plan().merges.size(), 1u);
+
+  const InputLayout& in = plan.inputs();
+  EXPECT_EQ(in.q.bytes, 16u * kMlaCkvDim * 2);
+  EXPECT_EQ(in.q_pe.bytes, 16u * kMlaKpeDim * 2);
+  EXPECT_EQ(in.k_new.bytes, 0u);
+  EXPECT_EQ(in.qo_indptr.bytes, 0u);
+  EXPECT_EQ(in.seq_layer.bytes, 4u);
+  EXPECT_EQ(in.merges.bytes, sizeof(MergeRow));
+  EXPECT_EQ(plan.outputs().lse.bytes, 16u * 4);
+  const size_t need = plan.plan().partial_rows * (kMlaCkvDim + 1) * sizeof(float);
+  EXPECT_EQ(plan.WorkspaceBytes(), need);
+
+  std::vector<char> host(in.bytes, 0);
+  plan.WriteIndices(host.data());
+  EXPECT_EQ(Read<int32_t>(host, in.seq_layer), layer);
+  const std::vector<MergeRow> merges = Read<MergeRow>(host, in.merges);
+  EXPECT_EQ(merges[0].num_splits, plan.plan().merges[0].num_splits);
+
+  std::vector<char> device_in(in.bytes), device_out(plan.outputs().bytes);
+  std::vector<float> workspace(need / sizeof(float));
+  EXPECT_EQ(plan.Bind(device_in.data(), device_out.data(), workspace.data(), need - 4),
+            cudaErrorInvalidValue);
+  ASSERT_EQ(plan.Bind(device_in.data(), device_out.data(), workspace.data(), need), cudaSuccess);
+  const MlaParams& p = plan.mla_params();
+  EXPECT_EQ(p.batch.qo_indptr, nullptr);
+  EXPECT_EQ(reinterpret_cast<const char*>(p.batch.seq_layer),
+            device_in.data() + in.seq_layer.offset);
+  EXPECT_EQ(reinterpret_cast<const char*>(p.q_pe), device_in.data() + in.q_pe.offset);
+  EXPECT_EQ(p.ckv_new, nullptr);
+  EXPECT_EQ(reinterpret_cast<char*>(p.lse), device_out.data() + plan.outputs().lse.offset);
+  const DevicePlan& dp = plan.device_plan();
+  EXPECT_EQ(dp.partial_out, workspace.data());
+  EXPECT_EQ(dp.partial_lse, workspace.data() + plan.plan().partial_rows * kMlaCkvDim);
+  EXPECT_EQ(dp.num_merges, 1);
+  EXPECT_EQ(dp.max_splits, plan.plan().max_splits);
+}
+
+}  // namespace
+}  // namespace attn::cuda
