@@ -30,6 +30,12 @@ struct DevicePlan {
   int variant = -1;              // KernelTiling::variant the plan was made for
 };
 
+// GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and
+// up the Hopper kernels (sm_90a, compute capability 9.0, head_dim 64 / 128 / 256), which the
+// default (-1) selects where they run.
+inline constexpr int kGqaPrefillSm90Serial = 10;   // each GEMM waited for before the softmax
+inline constexpr int kGqaPrefillSm90Overlap = 11;  // a tile's softmax under the previous P V
+
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {
   int variant = -1;     // which of the family's tile shapes (-1: the default for the shape)

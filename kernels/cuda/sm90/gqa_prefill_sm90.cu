@@ -1,0 +1,407 @@
+// GQA paged prefill for Hopper (sm_90a): wgmma tensor cores fed by a producer warpgroup,
+// FlashAttention-3 style.
+//
+// One CTA = one work item (kernels/cuda/plan.h) x one KV head, as in the portable kernel: kBlockM
+// = 128 packed rows (query token x query head of the KV head) against keys [kv_begin, kv_end) of
+// one sequence, in tiles of kBlockN keys. Three warpgroups:
+//   - the producer (warpgroup 0, few registers) copies the Q tile once and then each K and V tile
+//     from its pages with cp.async into a two-stage ring of swizzled shared-memory tiles; the
+//     copies of a stage complete on the stage's "full" mbarrier, and the producer refills a stage
+//     once both consumers have arrived on its "empty" mbarrier. cp.async rather than TMA because
+//     a tile of 128 keys spans 128 pages at page size 1 and does not align with odd page sizes;
+//     each lane looks up one row's page and its row group shares the offsets by shuffles.
+//   - two consumers (warpgroups 1, 2; 64 rows each) compute S = Q K^T with wgmma from shared
+//     memory, the online softmax in registers (the accumulator fragment is the mma.sync one, so
+//     the portable OnlineSoftmax / MaskScores / StoreRows apply), and O += P V with P as the
+//     register A operand and V as the transposed shared-memory B operand.
+// Variant "overlap" issues tile t's S and tile t-1's P V back to back and runs tile t's softmax
+// while the P V GEMM is in flight (FA3's intra-warpgroup overlap); "serial" waits for each GEMM.
+// The two consumer warpgroups interleave on the tensor cores on their own.
+//
+// Causal block skipping is the planner's (kv_end is cut to the keys the tile's last row sees);
+// masking runs only on the tiles that cross a row's limit. Split-KV items write float32 partials
+// through the common epilogue for the merge kernel.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/epilogue.cuh"
+#include "kernels/cuda/common/launch.h"
+#include "kernels/cuda/common/paged_kv.cuh"
+#include "kernels/cuda/common/softmax_state.cuh"
+#include "kernels/cuda/sm90/hopper.cuh"
+#include "kernels/cuda/sm90/launchers_sm90.h"
+#include "kernels/cuda/sm90/wgmma.cuh"
+
+namespace attn::cuda {
+namespace sm90 {
+namespace {
+
+constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
+constexpr int kThreads = 384;
+constexpr int kStages = 2;
+// 40 + 2 x 232 registers per lane of the three warpgroups fit the 64 K register file.
+constexpr int kProducerRegisters = 40;
+constexpr int kConsumerRegisters = 232;
+
+template <int kHeadDim, int kBlockN>
+struct Traits {
+  static constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per row
+  static constexpr int kRowsPerPass = 128 / kChunks;  // rows the producer copies per pass
+  static constexpr int kKvPasses = kBlockN / kRowsPerPass;
+  static constexpr int kQPasses = kBlockM / kRowsPerPass;
+  static_assert(kKvPasses <= kChunks, "one producer lane per row of a pass group holds its page");
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kTileBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kBarriers = 1 + 4 * kStages;
+  // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * kBarriers;
+};
+
+// Shared-memory map (32-bit shared addresses): Q, K stages, V stages, then the mbarriers.
+template <typename T>
+struct Smem {
+  uint32_t base;  // 1024-byte aligned
+
+  __device__ uint32_t Q() const { return base; }
+  __device__ uint32_t K(int stage) const { return base + T::kQBytes + stage * T::kTileBytes; }
+  __device__ uint32_t V(int stage) const {
+    return base + T::kQBytes + (kStages + stage) * T::kTileBytes;
+  }
+  __device__ uint32_t Barrier(int i) const {
+    return base + T::kQBytes + 2 * kStages * T::kTileBytes + 8 * i;
+  }
+  __device__ uint32_t QFull() const { return Barrier(0); }
+  __device__ uint32_t KFull(int stage) const { return Barrier(1 + stage); }
+  __device__ uint32_t KEmpty(int stage) const { return Barrier(1 + kStages + stage); }
+  __device__ uint32_t VFull(int stage) const { return Barrier(1 + 2 * kStages + stage); }
+  __device__ uint32_t VEmpty(int stage) const { return Barrier(1 + 3 * kStages + stage); }
+};
+
+// What both roles know of the CTA's work.
+struct Work {
+  WorkItem item;
+  SeqExtent seq;
+  int kv_head;
+  int group;
+  int num_rows;   // packed rows of the sequence
+  int num_tiles;  // key tiles of the item
+};
+
+// Warpgroup 0: all copies into shared memory.
+template <int kHeadDim, int kBlockN>
+__device__ __forceinline__ void Produce(const GqaParams& p, const Work& w,
+                                        const Smem<Traits<kHeadDim, kBlockN>>& s, int tid) {
+  using T = Traits<kHeadDim, kBlockN>;
+  const int chunk = tid % T::kChunks;  // this lane's 16 bytes of every row it copies
+  const int row0 = tid / T::kChunks;   // and its first row; then every kRowsPerPass-th
+  const int group_lane0 = (tid % 32) & ~(T::kChunks - 1) & 31;  // lanes copying the same rows
+
+  for (int i = 0; i < T::kQPasses; ++i) {
+    const int r = row0 + i * T::kRowsPerPass;
+    const int packed = w.item.row_begin + r;
+    const bool valid = packed < w.num_rows;  // rows past the sequence are zero-filled
+    const int token = packed / w.group, head = w.kv_head * w.group + packed % w.group;
+    const bf16* src =
+        p.q + ((int64_t{w.seq.q_begin} + token) * p.num_qo_heads + head) * kHeadDim + chunk * 8;
+    CopyAsync16(s.Q() + SwizzledOffset(kBlockM, r, chunk), valid ? src : p.q, valid);
+  }
+  BarrierArriveOnCopies(s.QFull());
+
+  const PagedRows rows = GqaKeyRows(p.cache, p.batch, w.seq, w.kv_head);
+  const bf16* k_base = rows.base + chunk * 8;
+  const bf16* v_base = k_base + GqaValueOffset(p.cache);
+  // Lane `chunk` of a row group looks up the row its group copies in pass `chunk`; -1 past the
+  // key range (zero-filled: a NaN there would survive a zero softmax weight).
+  auto lookup = [&](int t) -> int64_t {
+    const int key = w.item.kv_begin + t * kBlockN + row0 + chunk * T::kRowsPerPass;
+    return chunk < T::kKvPasses && t < w.num_tiles && key < w.item.kv_end ? rows.Offset(key) : -1;
+  };
+  auto copy_tile = [&](uint32_t tile, const bf16* base, int64_t offset) {
+#pragma unroll
+    for (int i = 0; i < T::kKvPasses; ++i) {
+      const int64_t row_offset = __shfl_sync(0xffffffffu, offset, group_lane0 + i);
+      const int r = row0 + i * T::kRowsPerPass;
+      CopyAsync16(tile + SwizzledOffset(kBlockN, r, chunk),
+                  base + (row_offset >= 0 ? row_offset : 0), row_offset >= 0);
+    }
+  };
+
+  int64_t offset = lookup(0);
+  for (int t = 0; t < w.num_tiles; ++t) {
+    const int stage = t % kStages;
+    const uint32_t parity = ((t / kStages) & 1) ^ 1;  // the consumers' release of this stage
+    const int64_t next = lookup(t + 1);  // the page-table read flies while this tile is issued
+    BarrierWait(s.KEmpty(stage), parity);
+    copy_tile(s.K(stage), k_base, offset);
+    BarrierArriveOnCopies(s.KFull(stage));
+    BarrierWait(s.VEmpty(stage), parity);
+    copy_tile(s.V(stage), v_base, offset);
+    BarrierArriveOnCopies(s.VFull(stage));
+    offset = next;
+  }
+  WaitAllCopies();
+}
+
+// Warpgroups 1 and 2 (`cwg` 0, 1): rows [64 cwg, 64 cwg + 64) of the tile.
+template <int kHeadDim, int kBlockN, bool kOverlap>
+__device__ __forceinline__ void Consume(const GqaParams& p, const Work& w,
+                                        const Smem<Traits<kHeadDim, kBlockN>>& s, int ctid,
+                                        RowSink sink) {
+  constexpr int kNTiles = kBlockN / 8;   // 8-key column tiles of S
+  constexpr int kDTiles = kHeadDim / 8;  // 8-wide column tiles of O
+  constexpr int kKSteps = kHeadDim / 16;
+  constexpr int kPSteps = kBlockN / 16;
+  const int cwg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32;
+  const int warp_row0 = 64 * cwg + 16 * warp;  // first tile row of this warp
+
+  auto limit = [&](int r) {
+    return min(VisibleKeys(w.seq, (w.item.row_begin + r) / w.group, p.causal), w.item.kv_end);
+  };
+  const int limit_g = limit(warp_row0 + lane / 4), limit_g8 = limit(warp_row0 + lane / 4 + 8);
+  const int warp_min_limit = limit(warp_row0);  // rows further down see more keys
+
+  float o[kDTiles][4] = {};
+  OnlineSoftmax<kNTiles> softmax;
+  const float scale_log2 = p.sm_scale * kLog2e;
+
+  const uint32_t q_start = s.Q() + cwg * 64 * 128;
+  // S = Q K^T over head_dim: k-step ks reads column block ks / 4 of Q and K, 32 bytes further
+  // per step inside it.
+  auto issue_qk = [&](float(&acc)[kNTiles][4], int stage) {
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const uint32_t step = (ks % 4) * 32;
+      const uint32_t a = q_start + (ks / 4) * kBlockM * 128 + step;
+      const uint32_t b = s.K(stage) + (ks / 4) * kBlockN * 128 + step;
+      Wgmma<kBlockN>::SS(acc, KMajorDescriptor(a), KMajorDescriptor(b), ks > 0 ? 1u : 0u);
+    }
+  };
+  // O += P V: k-step ks covers keys [16 ks, 16 ks + 16), 16 rows of 128 bytes of V.
+  auto issue_pv = [&](const uint32_t(&pf)[kPSteps][4], int stage) {
+#pragma unroll
+    for (int ks = 0; ks < kPSteps; ++ks) {
+      Wgmma<kHeadDim>::RSTransB(o, pf[ks],
+                                MnMajorDescriptor(s.V(stage) + ks * 2048, kBlockN * 128));
+    }
+  };
+  auto release = [&](uint32_t bar) {
+    if (lane == 0) BarrierArrive(bar);  // one arrival per consumer warp (8 in all)
+  };
+  auto wait_full = [&](uint32_t bar, int t) {
+    BarrierWait(bar, (t / kStages) & 1);
+    FenceProxyAsync();  // the cp.async data, seen through the barrier, before wgmma reads it
+  };
+  auto softmax_tile = [&](float(&acc)[kNTiles][4], int t, uint32_t(&pf)[kPSteps][4],
+                          float(&alpha)[2]) {
+    const int n0 = w.item.kv_begin + t * kBlockN;
+    if (n0 + kBlockN > warp_min_limit) MaskScores(acc, n0, lane, limit_g, limit_g8);
+    softmax.Update(acc, scale_log2, alpha);
+    ScoresToA(acc, pf);
+  };
+  auto rescale = [&](const float(&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      o[j][0] *= alpha[0];
+      o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1];
+      o[j][3] *= alpha[1];
+    }
+  };
+
+  if (w.num_tiles > 0) {
+    BarrierWait(s.QFull(), 0);
+    if constexpr (kOverlap) {
+      uint32_t pf[kPSteps][4];
+      {
+        float acc[kNTiles][4] = {};
+        wait_full(s.KFull(0), 0);
+        WgmmaFence();
+        issue_qk(acc, 0);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        PinRegisters(acc);
+        release(s.KEmpty(0));
+        float alpha[2];
+        softmax_tile(acc, 0, pf, alpha);  // O is still 0: nothing to rescale
+      }
+      for (int t = 1; t < w.num_tiles; ++t) {
+        const int stage = t % kStages, prev = (t - 1) % kStages;
+        float acc[kNTiles][4] = {};
+        wait_full(s.KFull(stage), t);
+        WgmmaFence();
+        issue_qk(acc, stage);
+        WgmmaCommit();
+        wait_full(s.VFull(prev), t - 1);
+        WgmmaFence();
+        issue_pv(pf, prev);
+        WgmmaCommit();
+        WgmmaWait<1>();  // S of tile t is ready; P V of tile t - 1 still runs
+        PinRegisters(acc);
+        release(s.KEmpty(stage));
+        float alpha[2];
+        const int n0 = w.item.kv_begin + t * kBlockN;
+        if (n0 + kBlockN > warp_min_limit) MaskScores(acc, n0, lane, limit_g, limit_g8);
+        softmax.Update(acc, scale_log2, alpha);
+        WgmmaWait<0>();
+        PinRegisters(o);
+        PinRegisters(pf);  // the GEMM read pf until here
+        release(s.VEmpty(prev));
+        ScoresToA(acc, pf);
+        rescale(alpha);
+        // Writes of the next GEMMs' inputs stay here: sunk between the two GEMMs issued next,
+        // they would make the compiler serialize every wgmma.
+        PinRegisters(o);
+        PinRegisters(pf);
+      }
+      const int last = (w.num_tiles - 1) % kStages;
+      wait_full(s.VFull(last), w.num_tiles - 1);
+      WgmmaFence();
+      issue_pv(pf, last);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      PinRegisters(o);
+      release(s.VEmpty(last));
+    } else {
+      for (int t = 0; t < w.num_tiles; ++t) {
+        const int stage = t % kStages;
+        float acc[kNTiles][4] = {};
+        wait_full(s.KFull(stage), t);
+        WgmmaFence();
+        issue_qk(acc, stage);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        PinRegisters(acc);
+        release(s.KEmpty(stage));
+        uint32_t pf[kPSteps][4];
+        float alpha[2];
+        softmax_tile(acc, t, pf, alpha);
+        rescale(alpha);
+        wait_full(s.VFull(stage), t);
+        WgmmaFence();
+        issue_pv(pf, stage);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        PinRegisters(o);
+        release(s.VEmpty(stage));
+      }
+    }
+  }
+
+  sink.partial_row = w.item.partial_row;
+  sink.q_begin = w.seq.q_begin;
+  sink.head_base = w.kv_head * w.group;
+  const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
+  StoreRows(sink, o, softmax.m, sums, w.item.row_begin + warp_row0, w.num_rows, 0, lane, true);
+}
+
+template <int kHeadDim, int kBlockN, bool kOverlap>
+__global__ void __launch_bounds__(kThreads, 1)
+    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+  using T = Traits<kHeadDim, kBlockN>;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const Smem<T> s{(SharedAddress(smem) + 1023u) & ~1023u};
+
+  const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
+  Work w;
+  w.item = items[cta.item];
+  w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
+  w.kv_head = cta.head;
+  w.group = p.num_qo_heads / p.cache.num_kv_heads;
+  w.num_rows = w.seq.q_len * w.group;
+  w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + kBlockN - 1) / kBlockN);
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
+    for (int i = 0; i < kStages; ++i) {
+      BarrierInit(s.KFull(i), 128);
+      BarrierInit(s.VFull(i), 128);
+      BarrierInit(s.KEmpty(i), 8);  // one arrival per consumer warp
+      BarrierInit(s.VEmpty(i), 8);
+    }
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    ReleaseRegisters<kProducerRegisters>();
+    Produce<kHeadDim, kBlockN>(p, w, s, tid);
+  } else {
+    ClaimRegisters<kConsumerRegisters>();
+    Consume<kHeadDim, kBlockN, kOverlap>(p, w, s, tid - 128, sink);
+  }
+}
+
+template <int kHeadDim, int kBlockN, bool kOverlap>
+struct Config {
+  using T = Traits<kHeadDim, kBlockN>;
+  static constexpr auto kKernel = GqaPrefillSm90Kernel<kHeadDim, kBlockN, kOverlap>;
+
+  static cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+    ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
+    const RowSink sink{p.out,
+                       p.lse,
+                       plan.partial_out,
+                       plan.partial_lse,
+                       -1,
+                       0,
+                       p.num_qo_heads,
+                       kHeadDim,
+                       p.num_qo_heads / p.cache.num_kv_heads,
+                       0};
+    const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
+    kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
+    ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
+    return cudaSuccess;
+  }
+
+  static cudaError_t Tiling(KernelTiling* tiling) {
+    return DescribeKernel(kKernel, kThreads, T::kSmemBytes, kBlockM, kBlockN, tiling);
+  }
+};
+
+// Key tiles: 128 keys for head_dim 64 and 128 (Q + two stages of K and V: 80 / 160 KiB); 64 for
+// head_dim 256 (192 KiB), whose O accumulator takes 128 registers per lane.
+template <typename Fn>
+cudaError_t WithConfig(int head_dim, int variant, Fn&& fn) {
+  if (variant != kGqaPrefillSm90Serial && variant != kGqaPrefillSm90Overlap) {
+    return cudaErrorInvalidValue;
+  }
+  const bool overlap = variant == kGqaPrefillSm90Overlap;
+  switch (head_dim) {
+    case 64:
+      return overlap ? fn(Config<64, 128, true>()) : fn(Config<64, 128, false>());
+    case 128:
+      return overlap ? fn(Config<128, 128, true>()) : fn(Config<128, 128, false>());
+    case 256:
+      return overlap ? fn(Config<256, 64, true>()) : fn(Config<256, 64, false>());
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+}  // namespace sm90
+
+cudaError_t GqaPrefillSm90Available(int head_dim, bool* available) {
+  int device = 0, major = 0, minor = 0;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  // The kernels are built for sm_90a only: that image runs on compute capability 9.0 alone.
+  *available = major == 9 && minor == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+  return cudaSuccess;
+}
+
+cudaError_t LaunchGqaPrefillSm90(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream,
+                                 int variant) {
+  return sm90::WithConfig(p.cache.head_dim, variant,
+                          [&](auto config) { return config.Launch(p, plan, stream); });
+}
+
+cudaError_t GqaPrefillSm90Tiling(int head_dim, int variant, KernelTiling* tiling) {
+  return sm90::WithConfig(head_dim, variant, [&](auto config) { return config.Tiling(tiling); });
+}
+
+}  // namespace attn::cuda
