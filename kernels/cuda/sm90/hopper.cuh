@@ -55,6 +55,11 @@ __device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, bool 
                : "memory");
 }
 
+// 16 bytes global -> shared, unconditionally.
+__device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
 __device__ __forceinline__ void WaitAllCopies() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
@@ -63,6 +68,17 @@ __device__ __forceinline__ void WaitAllCopies() {
 // stores, cp.async seen through an mbarrier) before its later async-proxy reads (wgmma).
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- named barriers (ids 1..15; 0 is __syncthreads): `threads` counts the arriving and the
+// waiting threads together.
+
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- warpgroup register reallocation (needs __launch_bounds__(threads, 1)).
