@@ -3,6 +3,9 @@
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/launchers.h"
+#ifdef ATTN_HAVE_SM90
+#include "kernels/cuda/sm90/launchers_sm90.h"
+#endif
 
 namespace attn::cuda {
 namespace {
@@ -24,12 +27,38 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   return c;
 }
 
+bool IsSm90Prefill(int variant) { return variant >= kGqaPrefillSm90Serial; }
+
+// The Hopper prefill variant the default selects (tests and benchmarks name the others): the
+// fastest that passed kernel_tests on the H200 (bench/RESULTS.md).
+constexpr int kDefaultSm90Prefill = kGqaPrefillSm90Serial;
+
+// Resolves a GQA prefill variant for the current device: the default becomes the Hopper kernel
+// where it runs; a Hopper variant where it does not run is an error.
+cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
+  bool sm90 = false;
+#ifdef ATTN_HAVE_SM90
+  if (*variant < 0 || IsSm90Prefill(*variant)) {
+    ATTN_CUDA_RETURN_IF_ERROR(GqaPrefillSm90Available(head_dim, &sm90));
+  }
+#endif
+  if (IsSm90Prefill(*variant) && !sm90) return cudaErrorNotSupported;
+  if (*variant < 0 && sm90) *variant = kDefaultSm90Prefill;
+  return cudaSuccess;
+}
+
 }  // namespace
 
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling) {
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
-  return decode ? GqaDecodeTiling(head_dim, tiling)
-                : GqaPrefillTiling(head_dim, tiling->variant, tiling);
+  if (decode) return GqaDecodeTiling(head_dim, tiling);
+  ATTN_CUDA_RETURN_IF_ERROR(ResolvePrefillVariant(head_dim, &tiling->variant));
+#ifdef ATTN_HAVE_SM90
+  if (IsSm90Prefill(tiling->variant)) {
+    return GqaPrefillSm90Tiling(head_dim, tiling->variant, tiling);
+  }
+#endif
+  return GqaPrefillTiling(head_dim, tiling->variant, tiling);
 }
 
 cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling) {
@@ -58,8 +87,15 @@ PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling,
 cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
   if (plan.num_items > 0) {
     const bool decode = p.batch.qo_indptr == nullptr;
-    ATTN_CUDA_RETURN_IF_ERROR(decode ? LaunchGqaDecode(p, plan, stream)
-                                     : LaunchGqaPrefill(p, plan, stream, plan.variant));
+    if (decode) {
+      ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaDecode(p, plan, stream));
+#ifdef ATTN_HAVE_SM90
+    } else if (IsSm90Prefill(plan.variant)) {
+      ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaPrefillSm90(p, plan, stream, plan.variant));
+#endif
+    } else {
+      ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaPrefill(p, plan, stream, plan.variant));
+    }
   }
   return LaunchMergeStates(plan, p.num_qo_heads, p.cache.head_dim, p.out, p.lse, stream);
 }

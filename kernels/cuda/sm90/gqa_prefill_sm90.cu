@@ -1,0 +1,481 @@
+// GQA paged prefill for Hopper (sm_90a): wgmma tensor cores fed by a producer warpgroup,
+// FlashAttention-3 style.
+//
+// One CTA = one work item (kernels/cuda/plan.h) x one KV head, as in the portable kernel: kBlockM
+// = 128 packed rows (query token x query head of the KV head) against keys [kv_begin, kv_end) of
+// one sequence, in tiles of kBlockN keys. Three warpgroups:
+//   - the producer (warpgroup 0, few registers) copies the Q tile once and then each K and V tile
+//     from its pages with cp.async into a two-stage ring of swizzled shared-memory tiles; the
+//     copies of a stage complete on the stage's "full" mbarrier, and the producer refills a stage
+//     once both consumers have arrived on its "empty" mbarrier. cp.async rather than TMA because
+//     a tile of 128 keys spans 128 pages at page size 1 and does not align with odd page sizes;
+//     each lane looks up one row's page and its row group shares the offsets by shuffles.
+//   - two consumers (warpgroups 1, 2; 64 rows each) compute S = Q K^T with wgmma from shared
+//     memory, the online softmax in registers (the accumulator fragment is the mma.sync one, so
+//     the portable OnlineSoftmax / MaskScores / StoreRows apply), and O += P V with P as the
+//     register A operand and V as the transposed shared-memory B operand.
+// Schedules (Traits below; the variants are named in kernels/cuda/api.h): "serial" waits for
+// each GEMM; "overlap" issues tile t's S and tile t-1's P V back to back, runs tile t's softmax
+// while the P V GEMM is in flight and has the two consumer warpgroups take turns issuing GEMMs
+// (FA3's intra-warpgroup overlap and pingpong). On the H200 both measured within 4% of each
+// other, bound upstream by the producer's per-copy instructions (bench/RESULTS.md).
+//
+// Causal block skipping is the planner's (kv_end is cut to the keys the tile's last row sees);
+// masking runs only on the tiles that cross a row's limit. Split-KV items write float32 partials
+// through the common epilogue for the merge kernel.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/epilogue.cuh"
+#include "kernels/cuda/common/launch.h"
+#include "kernels/cuda/common/paged_kv.cuh"
+#include "kernels/cuda/common/softmax_state.cuh"
+#include "kernels/cuda/sm90/hopper.cuh"
+#include "kernels/cuda/sm90/launchers_sm90.h"
+#include "kernels/cuda/sm90/wgmma.cuh"
+
+namespace attn::cuda {
+namespace sm90 {
+namespace {
+
+constexpr int kBlockM = 128;  // packed rows per CTA: 64 per consumer warpgroup
+constexpr int kThreads = 384;
+// Registers per lane at launch: the most __launch_bounds__(kThreads, 1) leaves (ptxas allocates
+// in steps of 8), which is the pool setmaxnreg redistributes.
+constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+constexpr int kStages = 2;  // K/V ring depth (3 measured no faster: bench/RESULTS.md)
+// Named barriers of the consumers' GEMM turns (pingpong): warpgroup w waits on kTurnBarrier + w.
+constexpr int kTurnBarrier = 1;
+
+// One kernel instance: head_dim, key tile and the schedule.
+//   kOverlap: tile t's S GEMM and tile t-1's P V GEMM are issued back to back, and tile t's
+//     softmax runs while the P V GEMM is in flight (else each GEMM is waited for).
+//   kPingPong: the two consumer warpgroups take turns issuing their GEMMs (named barriers), so
+//     one's softmax runs under the other's GEMMs instead of both at once.
+//   kLeanCopies: the producer gathers a tile's row offsets first and issues plain cp.async
+//     (about 8 instructions per 16-byte copy instead of 22, the suspected bound of the other
+//     variants), with more registers for it. Not yet run on a GPU.
+template <int kHeadDim_, int kBlockN_, bool kOverlap_, bool kPingPong_, bool kLeanCopies_>
+struct Traits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr bool kOverlap = kOverlap_;
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr bool kLeanCopies = kLeanCopies_;
+  // setmaxnreg moves registers within the CTA's pool: 384 lanes x 168 = 128 x 40 + 256 x 232
+  // = 128 x 56 + 256 x 224. A split asking for more than the pool (64 + 224) leaves the
+  // consumers waiting in setmaxnreg forever.
+  static constexpr int kProducerRegisters = kLeanCopies ? 56 : 40;
+  static constexpr int kConsumerRegisters = kLeanCopies ? 224 : 232;
+  static constexpr int kPoolRegisters = 128 * kProducerRegisters + 256 * kConsumerRegisters;
+  static_assert(kPoolRegisters <= kThreads * kLaunchRegisters);
+  static constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per row
+  static constexpr int kRowsPerPass = 128 / kChunks;  // rows the producer copies per pass
+  static constexpr int kKvPasses = kBlockN / kRowsPerPass;
+  static constexpr int kQPasses = kBlockM / kRowsPerPass;
+  static_assert(kKvPasses <= kChunks, "one producer lane per row of a pass group holds its page");
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kTileBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kBarriers = 1 + 4 * kStages;
+  // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * kBarriers;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+};
+
+// Shared-memory map (32-bit shared addresses): Q, K stages, V stages, then the mbarriers.
+template <typename T>
+struct Smem {
+  uint32_t base;  // 1024-byte aligned
+
+  __device__ uint32_t Q() const { return base; }
+  __device__ uint32_t K(int stage) const { return base + T::kQBytes + stage * T::kTileBytes; }
+  __device__ uint32_t V(int stage) const {
+    return base + T::kQBytes + (kStages + stage) * T::kTileBytes;
+  }
+  __device__ uint32_t Barrier(int i) const {
+    return base + T::kQBytes + 2 * kStages * T::kTileBytes + 8 * i;
+  }
+  __device__ uint32_t QFull() const { return Barrier(0); }
+  __device__ uint32_t KFull(int stage) const { return Barrier(1 + stage); }
+  __device__ uint32_t KEmpty(int stage) const { return Barrier(1 + kStages + stage); }
+  __device__ uint32_t VFull(int stage) const { return Barrier(1 + 2 * kStages + stage); }
+  __device__ uint32_t VEmpty(int stage) const { return Barrier(1 + 3 * kStages + stage); }
+};
+
+// What both roles know of the CTA's work.
+struct Work {
+  WorkItem item;
+  SeqExtent seq;
+  int kv_head;
+  int group;
+  int num_rows;   // packed rows of the sequence
+  int num_tiles;  // key tiles of the item
+};
+
+// Warpgroup 0: all copies into shared memory.
+template <typename T>
+__device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const Smem<T>& s,
+                                        int tid) {
+  constexpr int kBlockN = T::kBlockN;
+  const int chunk = tid % T::kChunks;  // this lane's 16 bytes of every row it copies
+  const int row0 = tid / T::kChunks;   // and its first row; then every kRowsPerPass-th
+  const int group_lane0 = (tid % 32) & ~(T::kChunks - 1) & 31;  // lanes copying the same rows
+
+  for (int i = 0; i < T::kQPasses; ++i) {
+    const int r = row0 + i * T::kRowsPerPass;
+    const int packed = w.item.row_begin + r;
+    const bool valid = packed < w.num_rows;  // rows past the sequence are zero-filled
+    const int token = packed / w.group, head = w.kv_head * w.group + packed % w.group;
+    const bf16* src =
+        p.q + ((int64_t{w.seq.q_begin} + token) * p.num_qo_heads + head) * T::kHeadDim + chunk * 8;
+    CopyAsync16(s.Q() + SwizzledOffset(kBlockM, r, chunk), valid ? src : p.q, valid);
+  }
+  BarrierArriveOnCopies(s.QFull());
+
+  const PagedRows rows = GqaKeyRows(p.cache, p.batch, w.seq, w.kv_head);
+  const bf16* k_base = rows.base + chunk * 8;
+  const bf16* v_base = k_base + GqaValueOffset(p.cache);
+  // Lane `chunk` of a row group looks up the row its group copies in pass `chunk`. Rows past the
+  // key range are either zero-filled (offset -1) or, with kLeanCopies, copy the range's last key
+  // again: real, finite data the consumers mask, so every copy is a plain one. (Never the slot
+  // itself: a NaN-poisoned slot would survive a zero softmax weight.)
+  auto lookup = [&](int t) -> int64_t {
+    const int key = w.item.kv_begin + t * kBlockN + row0 + chunk * T::kRowsPerPass;
+    const bool used = chunk < T::kKvPasses && t < w.num_tiles;
+    if constexpr (T::kLeanCopies) {
+      return used ? rows.Offset(min(key, w.item.kv_end - 1)) : 0;
+    } else {
+      return used && key < w.item.kv_end ? rows.Offset(key) : -1;
+    }
+  };
+  auto copy_tile = [&](uint32_t tile, const bf16* base, int64_t offset) {
+    if constexpr (T::kLeanCopies) {
+      // All of the tile's row offsets first, then all its copies: the shuffles' and the address
+      // arithmetic's latencies overlap instead of adding up pass by pass.
+      int64_t row_offset[T::kKvPasses];
+#pragma unroll
+      for (int i = 0; i < T::kKvPasses; ++i) {
+        row_offset[i] = __shfl_sync(0xffffffffu, offset, group_lane0 + i);
+      }
+#pragma unroll
+      for (int i = 0; i < T::kKvPasses; ++i) {
+        const int r = row0 + i * T::kRowsPerPass;
+        CopyAsync16(tile + SwizzledOffset(kBlockN, r, chunk), base + row_offset[i]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < T::kKvPasses; ++i) {
+        const int64_t row_offset = __shfl_sync(0xffffffffu, offset, group_lane0 + i);
+        const int r = row0 + i * T::kRowsPerPass;
+        CopyAsync16(tile + SwizzledOffset(kBlockN, r, chunk),
+                    base + (row_offset >= 0 ? row_offset : 0), row_offset >= 0);
+      }
+    }
+  };
+
+  int64_t offset = lookup(0);
+  for (int t = 0; t < w.num_tiles; ++t) {
+    const int stage = t % kStages;
+    const uint32_t parity = ((t / kStages) & 1) ^ 1;  // the consumers' release of this stage
+    const int64_t next = lookup(t + 1);  // the page-table read flies while this tile is issued
+    BarrierWait(s.KEmpty(stage), parity);
+    copy_tile(s.K(stage), k_base, offset);
+    BarrierArriveOnCopies(s.KFull(stage));
+    BarrierWait(s.VEmpty(stage), parity);
+    copy_tile(s.V(stage), v_base, offset);
+    BarrierArriveOnCopies(s.VFull(stage));
+    offset = next;
+  }
+  WaitAllCopies();
+}
+
+// Warpgroups 1 and 2 (`cwg` 0, 1): rows [64 cwg, 64 cwg + 64) of the tile.
+template <typename T>
+__device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const Smem<T>& s,
+                                        int ctid, RowSink sink) {
+  constexpr int kBlockN = T::kBlockN;
+  constexpr int kNTiles = kBlockN / 8;      // 8-key column tiles of S
+  constexpr int kDTiles = T::kHeadDim / 8;  // 8-wide column tiles of O
+  constexpr int kKSteps = T::kHeadDim / 16;
+  constexpr int kPSteps = kBlockN / 16;
+  const int cwg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32;
+  const int warp_row0 = 64 * cwg + 16 * warp;  // first tile row of this warp
+
+  auto limit = [&](int r) {
+    return min(VisibleKeys(w.seq, (w.item.row_begin + r) / w.group, p.causal), w.item.kv_end);
+  };
+  const int limit_g = limit(warp_row0 + lane / 4), limit_g8 = limit(warp_row0 + lane / 4 + 8);
+  const int warp_min_limit = limit(warp_row0);  // rows further down see more keys
+
+  float o[kDTiles][4] = {};
+  OnlineSoftmax<kNTiles> softmax;
+  const float scale_log2 = p.sm_scale * kLog2e;
+
+  const uint32_t q_start = s.Q() + cwg * 64 * 128;
+  // S = Q K^T over head_dim: k-step ks reads column block ks / 4 of Q and K, 32 bytes further
+  // per step inside it.
+  auto issue_qk = [&](float(&acc)[kNTiles][4], int stage) {
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const uint32_t step = (ks % 4) * 32;
+      const uint32_t a = q_start + (ks / 4) * kBlockM * 128 + step;
+      const uint32_t b = s.K(stage) + (ks / 4) * kBlockN * 128 + step;
+      Wgmma<kBlockN>::SS(acc, KMajorDescriptor(a), KMajorDescriptor(b), ks > 0 ? 1u : 0u);
+    }
+  };
+  // O += P V: k-step ks covers keys [16 ks, 16 ks + 16), 16 rows of 128 bytes of V.
+  auto issue_pv = [&](const uint32_t(&pf)[kPSteps][4], int stage) {
+#pragma unroll
+    for (int ks = 0; ks < kPSteps; ++ks) {
+      Wgmma<T::kHeadDim>::RSTransB(o, pf[ks],
+                                   MnMajorDescriptor(s.V(stage) + ks * 2048, kBlockN * 128));
+    }
+  };
+  auto release = [&](uint32_t bar) {
+    if (lane == 0) BarrierArrive(bar);  // one arrival per consumer warp (8 in all)
+  };
+  auto wait_full = [&](uint32_t bar, int t) {
+    BarrierWait(bar, (t / kStages) & 1);
+    FenceProxyAsync();  // the cp.async data, seen through the barrier, before wgmma reads it
+  };
+  // Pingpong: wait for this warpgroup's turn to issue GEMMs, then hand the turn over.
+  auto take_turn = [&] {
+    if constexpr (T::kPingPong) NamedBarrierSync(kTurnBarrier + cwg, 256);
+  };
+  auto pass_turn = [&] {
+    if constexpr (T::kPingPong) NamedBarrierArrive(kTurnBarrier + (cwg ^ 1), 256);
+  };
+  auto mask = [&](float(&acc)[kNTiles][4], int t) {
+    const int n0 = w.item.kv_begin + t * kBlockN;
+    if (n0 + kBlockN > warp_min_limit) MaskScores(acc, n0, lane, limit_g, limit_g8);
+  };
+  auto rescale = [&](const float(&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      o[j][0] *= alpha[0];
+      o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1];
+      o[j][3] *= alpha[1];
+    }
+  };
+
+  if (T::kPingPong && cwg == 1) pass_turn();  // warpgroup 0 goes first
+  if (w.num_tiles > 0) {
+    BarrierWait(s.QFull(), 0);
+    uint32_t pf[kPSteps][4];
+    if constexpr (T::kOverlap) {
+      {
+        float acc[kNTiles][4] = {};
+        wait_full(s.KFull(0), 0);
+        take_turn();
+        WgmmaFence();
+        issue_qk(acc, 0);
+        WgmmaCommit();
+        pass_turn();
+        WgmmaWait<0>();
+        PinRegisters(acc);
+        release(s.KEmpty(0));
+        float alpha[2];
+        mask(acc, 0);
+        softmax.Update(acc, scale_log2, alpha);  // O is still 0: nothing to rescale
+        ScoresToA(acc, pf);
+      }
+      for (int t = 1; t < w.num_tiles; ++t) {
+        const int stage = t % kStages, prev = (t - 1) % kStages;
+        float acc[kNTiles][4] = {};
+        wait_full(s.KFull(stage), t);
+        take_turn();
+        WgmmaFence();
+        issue_qk(acc, stage);
+        WgmmaCommit();
+        wait_full(s.VFull(prev), t - 1);
+        WgmmaFence();
+        issue_pv(pf, prev);
+        WgmmaCommit();
+        pass_turn();
+        WgmmaWait<1>();  // S of tile t is ready; P V of tile t - 1 still runs
+        PinRegisters(acc);
+        release(s.KEmpty(stage));
+        float alpha[2];
+        mask(acc, t);
+        softmax.Update(acc, scale_log2, alpha);
+        WgmmaWait<0>();
+        PinRegisters(o);
+        PinRegisters(pf);  // the GEMM read pf until here
+        release(s.VEmpty(prev));
+        // P is packed only now, into the registers the finished GEMM read: written while it
+        // ran, the compiler would serialize every wgmma.
+        ScoresToA(acc, pf);
+        rescale(alpha);
+        PinRegisters(o);  // the rescale stays before the next GEMMs are issued
+        PinRegisters(pf);
+      }
+      const int last = (w.num_tiles - 1) % kStages;
+      wait_full(s.VFull(last), w.num_tiles - 1);
+      take_turn();
+      WgmmaFence();
+      issue_pv(pf, last);
+      WgmmaCommit();
+      pass_turn();
+      WgmmaWait<0>();
+      PinRegisters(o);
+      release(s.VEmpty(last));
+    } else {
+      for (int t = 0; t < w.num_tiles; ++t) {
+        const int stage = t % kStages;
+        float acc[kNTiles][4] = {};
+        wait_full(s.KFull(stage), t);
+        take_turn();
+        WgmmaFence();
+        issue_qk(acc, stage);
+        WgmmaCommit();
+        pass_turn();
+        WgmmaWait<0>();
+        PinRegisters(acc);
+        release(s.KEmpty(stage));
+        float alpha[2];
+        mask(acc, t);
+        softmax.Update(acc, scale_log2, alpha);
+        ScoresToA(acc, pf);
+        rescale(alpha);
+        wait_full(s.VFull(stage), t);
+        take_turn();
+        WgmmaFence();
+        issue_pv(pf, stage);
+        WgmmaCommit();
+        pass_turn();
+        WgmmaWait<0>();
+        PinRegisters(o);
+        release(s.VEmpty(stage));
+      }
+    }
+  }
+  // Warpgroup 1 passed the turn once more than warpgroup 0 took it: take that one, so no
+  // named barrier is left half-arrived.
+  if (T::kPingPong && cwg == 0) take_turn();
+
+  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq.q_begin, w.kv_head * w.group);
+  const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
+  StoreRows(cta_sink, o, softmax.m, sums, w.item.row_begin + warp_row0, w.num_rows, 0, lane,
+            true);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const Smem<T> s{(SharedAddress(smem) + 1023u) & ~1023u};
+
+  const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
+  Work w;
+  w.item = items[cta.item];
+  w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
+  w.kv_head = cta.head;
+  w.group = p.num_qo_heads / p.cache.num_kv_heads;
+  w.num_rows = w.seq.q_len * w.group;
+  w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + T::kBlockN - 1) / T::kBlockN);
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
+    for (int i = 0; i < kStages; ++i) {
+      BarrierInit(s.KFull(i), 128);
+      BarrierInit(s.VFull(i), 128);
+      BarrierInit(s.KEmpty(i), 8);  // one arrival per consumer warp
+      BarrierInit(s.VEmpty(i), 8);
+    }
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    ReleaseRegisters<T::kProducerRegisters>();
+    Produce<T>(p, w, s, tid);
+  } else {
+    ClaimRegisters<T::kConsumerRegisters>();
+    Consume<T>(p, w, s, tid - 128, sink);
+  }
+}
+
+template <typename T>
+struct Config {
+  static constexpr auto kKernel = GqaPrefillSm90Kernel<T>;
+
+  static cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+    ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
+    const RowSink sink = RowSink::ForGqa(p, plan);
+    const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
+    kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
+    ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
+    return cudaSuccess;
+  }
+
+  static cudaError_t Tiling(KernelTiling* tiling) {
+    // The register split assumes the compiler gave the kernel the whole launch bound.
+    cudaFuncAttributes attributes;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kKernel));
+    if (attributes.numRegs * kThreads < T::kPoolRegisters) return cudaErrorNotSupported;
+    return DescribeKernel(kKernel, kThreads, T::kSmemBytes, kBlockM, T::kBlockN, tiling);
+  }
+};
+
+// Key tiles: 128 keys for head_dim 64 and 128 (Q + two stages of K and V: 80 / 160 KiB); 64 for
+// head_dim 256 (192 KiB), whose O takes 128 registers per lane.
+template <int kHeadDim, bool kOverlap, bool kPingPong, bool kLeanCopies>
+using TraitsFor = Traits<kHeadDim, kHeadDim == 256 ? 64 : 128, kOverlap, kPingPong, kLeanCopies>;
+
+template <int kHeadDim, typename Fn>
+cudaError_t WithVariant(int variant, Fn&& fn) {
+  switch (variant) {
+    case kGqaPrefillSm90Serial:
+      return fn(Config<TraitsFor<kHeadDim, false, false, false>>());
+    case kGqaPrefillSm90Overlap:
+      return fn(Config<TraitsFor<kHeadDim, true, true, false>>());
+    case kGqaPrefillSm90LeanSerial:
+      return fn(Config<TraitsFor<kHeadDim, false, false, true>>());
+    case kGqaPrefillSm90LeanOverlap:
+      return fn(Config<TraitsFor<kHeadDim, true, true, true>>());
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <typename Fn>
+cudaError_t WithConfig(int head_dim, int variant, Fn&& fn) {
+  switch (head_dim) {
+    case 64:
+      return WithVariant<64>(variant, fn);
+    case 128:
+      return WithVariant<128>(variant, fn);
+    case 256:
+      return WithVariant<256>(variant, fn);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+}  // namespace sm90
+
+cudaError_t GqaPrefillSm90Available(int head_dim, bool* available) {
+  int device = 0, major = 0, minor = 0;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  ATTN_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  // The kernels are built for sm_90a only: that image runs on compute capability 9.0 alone.
+  *available = major == 9 && minor == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+  return cudaSuccess;
+}
+
+cudaError_t LaunchGqaPrefillSm90(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream,
+                                 int variant) {
+  return sm90::WithConfig(p.cache.head_dim, variant,
+                          [&](auto config) { return config.Launch(p, plan, stream); });
+}
+
+cudaError_t GqaPrefillSm90Tiling(int head_dim, int variant, KernelTiling* tiling) {
+  return sm90::WithConfig(head_dim, variant, [&](auto config) { return config.Tiling(tiling); });
+}
+
+}  // namespace attn::cuda

@@ -1,0 +1,21 @@
+// Internal launchers of the Hopper (sm_90a) kernels behind kernels/cuda/api.h. Built only when the
+// build targets sm_90a (ATTN_HAVE_SM90); the entry points in api.cc choose them at run time.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/attention.h"
+#include "kernels/cuda/api.h"
+
+namespace attn::cuda {
+
+// Sets *available when the current device runs the sm_90a kernels (compute capability 9.0) and
+// they cover head_dim.
+cudaError_t GqaPrefillSm90Available(int head_dim, bool* available);
+
+// `variant`: kGqaPrefillSm90Serial or kGqaPrefillSm90Overlap (kernels/cuda/api.h).
+cudaError_t LaunchGqaPrefillSm90(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream,
+                                 int variant);
+cudaError_t GqaPrefillSm90Tiling(int head_dim, int variant, KernelTiling* tiling);
+
+}  // namespace attn::cuda
