@@ -206,7 +206,8 @@ int Run() {
   const uint64_t epoch = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
   absl::StatusOr<std::unique_ptr<Engine>> engine =
       Engine::Create(*std::move(backend), options->pools, options->batching, options->sessions,
-                     epoch, /*batch_observer=*/&metrics, /*page_observer=*/&metrics);
+                     epoch, /*batch_observer=*/&metrics, /*page_observer=*/&metrics,
+                     options->data_plane);
   if (!engine.ok()) {
     std::cerr << "attnserve: " << engine.status() << "\n";
     return 1;

@@ -78,6 +78,36 @@ absl::Status ParseFileMode(absl::string_view text, ServerOptions* s) {
   return absl::OkStatus();
 }
 
+absl::Status ResolveDataPlane(const v1::DataPlaneConfig& c, DataPlaneOptions* d) {
+  d->shared_memory = c.shared_memory();
+  d->cuda_ipc = c.cuda_ipc();
+  if (c.max_regions_per_session() != 0) {
+    d->limits.max_regions_per_session = c.max_regions_per_session();
+  }
+  if (c.max_region_bytes_per_session() != 0) {
+    d->limits.max_bytes_per_session = c.max_region_bytes_per_session();
+  }
+  if (!c.shm_name_prefix().empty()) d->shm_name_prefix = c.shm_name_prefix();
+  ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_regions_per_session",
+                                  d->limits.max_regions_per_session, 1, 1024));
+  ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_region_bytes_per_session",
+                                  d->limits.max_bytes_per_session, kRegionHeaderBytes,
+                                  int64_t{1} << 40));
+  const std::string& prefix = d->shm_name_prefix;
+  bool ok = prefix.size() >= 2 && prefix.size() <= 200 && prefix[0] == '/';
+  for (size_t i = 1; ok && i < prefix.size(); ++i) {
+    const char ch = prefix[i];
+    ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+         ch == '_' || ch == '.' || ch == '-';
+  }
+  if (!ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "data_plane.shm_name_prefix = '", prefix,
+        "' must be '/' and then 1-199 characters of [A-Za-z0-9_.-]"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 v1::ServerConfig DefaultConfig() {
@@ -180,6 +210,7 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   ATTN_RETURN_IF_ERROR(CheckRange("max_batch_requests", s.batching.max_batch_requests, 1, 65536));
   ATTN_RETURN_IF_ERROR(CheckRange("max_batch_tokens", s.batching.max_batch_tokens, 1, 1 << 24));
   ATTN_RETURN_IF_ERROR(CheckRange("max_queue_requests", s.batching.max_queue_requests, 1, 1 << 20));
+  ATTN_RETURN_IF_ERROR(ResolveDataPlane(c.data_plane(), &s.data_plane));
   for (const v1::PoolConfig& p : c.pools()) {
     ATTN_ASSIGN_OR_RETURN(PoolGeometry g, GeometryFromConfig(p));
     s.pools.push_back(std::move(g));

@@ -15,6 +15,7 @@
 #include "server/backends/backend_factory.h"
 #include "server/engine/batcher.h"
 #include "server/engine/pool_geometry.h"
+#include "server/engine/regions.h"
 #include "server/engine/sessions.h"
 
 namespace attn {
@@ -32,6 +33,7 @@ struct ServerOptions {
   int drain_timeout_seconds = 0;  // SIGTERM: how long accepted calls may take to finish
   BatchingOptions batching;
   SessionOptions sessions;
+  DataPlaneOptions data_plane;  // registered memory: off unless the config enables it
   v1::TlsConfig tls;         // empty cert_file: plaintext
   std::vector<v1::AccessToken> access_tokens;  // empty: no authorization
   int health_port = 0;       // plaintext health-only port; 0: none

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -39,9 +41,54 @@ std::string ExpectedString(absl::Span<const Dim> dims) {
   return absl::StrCat("[", absl::StrJoin(sizes, ", "), "] ([", absl::StrJoin(names, ", "), "])");
 }
 
-// Checks dtype, shape and byte count of a bf16 tensor and returns its data.
-absl::StatusOr<const bf16*> Bf16Tensor(const v1::Tensor& t, const char* field,
-                                       absl::Span<const Dim> dims) {
+// The region slices a request names, each filled into the input or output it belongs to once
+// they are resolved (all of them at once: all or nothing).
+class Slices {
+ public:
+  void Input(const v1::RegionSlice& at, int64_t bytes, std::string field, CallInput* in) {
+    refs_.push_back({at.name(), at.offset(), bytes, std::move(field)});
+    inputs_.push_back(in);
+    outputs_.push_back(nullptr);
+  }
+  void Output(const v1::RegionSlice& at, int64_t bytes, std::string field, CallOutput* out) {
+    refs_.push_back({at.name(), at.offset(), bytes, std::move(field)});
+    inputs_.push_back(nullptr);
+    outputs_.push_back(out);
+  }
+  bool empty() const { return refs_.empty(); }
+
+  absl::StatusOr<RegionUse> Resolve(const RegionResolver& regions) {
+    if (refs_.empty()) return RegionUse();
+    if (!regions) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(refs_[0].field, ": this server accepts no region references"));
+    }
+    ATTN_ASSIGN_OR_RETURN(RegionUse use, regions(refs_));
+    for (size_t i = 0; i < refs_.size(); ++i) {
+      const bool device = use.kind(i) == RegionKind::kCudaIpc;
+      if (CallInput* in = inputs_[i]) {
+        if (device) {
+          in->device = use.data(i);
+        } else {
+          in->host = HostBytes(use.data(i), static_cast<size_t>(refs_[i].bytes));
+          in->registered = true;
+        }
+      } else {
+        (device ? outputs_[i]->device : outputs_[i]->host) = use.data(i);
+      }
+    }
+    return use;
+  }
+
+ private:
+  std::vector<SliceRef> refs_;
+  std::vector<CallInput*> inputs_;
+  std::vector<CallOutput*> outputs_;
+};
+
+// Checks dtype and shape of a bf16 tensor; returns its size in bytes.
+absl::StatusOr<int64_t> Bf16Bytes(const v1::Tensor& t, const char* field,
+                                  absl::Span<const Dim> dims) {
   if (t.dtype() != v1::DTYPE_BF16) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": dtype ", v1::DType_Name(t.dtype()), " is not supported; send DTYPE_BF16"));
@@ -54,21 +101,98 @@ absl::StatusOr<const bf16*> Bf16Tensor(const v1::Tensor& t, const char* field,
   }
   int64_t elements = 1;
   for (const Dim& d : dims) elements *= d.size;  // dims are bounded: no overflow
-  if (static_cast<int64_t>(t.data().size()) != elements * int64_t{sizeof(bf16)}) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": data has ", t.data().size(),
-                                                   " bytes, shape ", ShapeString(t.shape()),
-                                                   " needs ", elements * sizeof(bf16)));
-  }
-  // Protobuf's string storage is heap- or object-aligned, which satisfies bf16's 2 bytes.
-  return reinterpret_cast<const bf16*>(t.data().data());
+  return elements * int64_t{sizeof(bf16)};
 }
 
-// A per-token tensor: `rows` tokens of the pool's row shape `row`.
-absl::StatusOr<const bf16*> Bf16Rows(const v1::Tensor& t, const char* field, int64_t rows,
-                                     const RowShape& row) {
+// A per-token input: `rows` tokens of the pool's row shape `row`, its data in the message
+// (`inline_data`) or in a region slice (added to `slices`).
+absl::Status Bf16Rows(const v1::Tensor& t, const HostBytes& inline_data, const char* field,
+                      int64_t rows, const RowShape& row, CallInput* in, Slices* slices) {
   const Dim tokens{rows, "total_q"}, heads{row.heads, row.heads_name}, dim{row.dim, row.dim_name};
-  if (row.heads == 0) return Bf16Tensor(t, field, {tokens, dim});
-  return Bf16Tensor(t, field, {tokens, heads, dim});
+  absl::StatusOr<int64_t> bytes = row.heads == 0 ? Bf16Bytes(t, field, {tokens, dim})
+                                                 : Bf16Bytes(t, field, {tokens, heads, dim});
+  if (!bytes.ok()) return bytes.status();
+  in->present = true;
+  in->bytes = static_cast<size_t>(*bytes);
+  if (t.has_region()) {
+    if (!inline_data.empty() || !t.data().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": set data or region, not both"));
+    }
+    slices->Input(t.region(), *bytes, absl::StrCat(field, ".region"), in);
+    return absl::OkStatus();
+  }
+  if (static_cast<int64_t>(inline_data.size()) != *bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": data has ", inline_data.size(),
+                                                   " bytes, shape ", ShapeString(t.shape()),
+                                                   " needs ", *bytes));
+  }
+  in->host = inline_data;
+  return absl::OkStatus();
+}
+
+// The page table the call reads: the request's repeated fields, or a PageTableRef copied into
+// the call (`call.table`) before anything looks at it, so the caller cannot change what was
+// checked.
+struct TableSpans {
+  absl::Span<const int32_t> qo_indptr, kv_indptr, kv_indices, kv_last_page_len;
+};
+
+template <typename Request>
+absl::StatusOr<TableSpans> ReadPageTable(const Request& req, const RegionResolver& regions,
+                                         AttentionCall& call) {
+  constexpr bool kPrefill = std::is_same_v<Request, v1::PrefillRequest>;
+  TableSpans t;
+  if (!req.has_page_table()) {
+    if constexpr (kPrefill) t.qo_indptr = absl::MakeConstSpan(req.qo_indptr());
+    t.kv_indptr = absl::MakeConstSpan(req.kv_indptr());
+    t.kv_indices = absl::MakeConstSpan(req.kv_indices());
+    t.kv_last_page_len = absl::MakeConstSpan(req.kv_last_page_len());
+    return t;
+  }
+  bool repeated = req.kv_indptr_size() > 0 || req.kv_indices_size() > 0 ||
+                  req.kv_last_page_len_size() > 0;
+  if constexpr (kPrefill) repeated = repeated || req.qo_indptr_size() > 0;
+  if (repeated) {
+    return absl::InvalidArgumentError(
+        "page_table: send the page table in a region or in the request's fields, not both");
+  }
+  const v1::PageTableRef& ref = req.page_table();
+  if (ref.batch() < 1 || ref.batch() > kMaxCallTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("page_table.batch = ", ref.batch(),
+                                                   " is outside [1, ", kMaxCallTokens, "]"));
+  }
+  if (ref.num_pages() < 0 || ref.num_pages() > kMaxTablePages) {
+    return absl::InvalidArgumentError(absl::StrCat("page_table.num_pages = ", ref.num_pages(),
+                                                   " is outside [0, ", kMaxTablePages, "]"));
+  }
+  const int64_t batch = ref.batch();
+  const int64_t words = (batch + 1) + batch + ref.num_pages() + (kPrefill ? batch + 1 : 0);
+  if (!regions) {
+    return absl::InvalidArgumentError("page_table: this server accepts no region references");
+  }
+  const SliceRef slice{ref.at().name(), ref.at().offset(), 4 * words, "page_table.at"};
+  ATTN_ASSIGN_OR_RETURN(RegionUse use, regions(absl::MakeConstSpan(&slice, 1)));
+  if (use.kind(0) != RegionKind::kSharedMemory) {
+    return absl::InvalidArgumentError(
+        "page_table.at: the page table must be in a shared-memory region");
+  }
+  call.table.resize(static_cast<size_t>(words));
+  std::memcpy(call.table.data(), use.data(0), static_cast<size_t>(4 * words));
+  if (absl::Status st = use.CheckIntact(); !st.ok()) return st;
+  const absl::Span<const int32_t> all = absl::MakeConstSpan(call.table);
+  t.kv_indptr = all.subspan(0, batch + 1);
+  t.kv_last_page_len = all.subspan(batch + 1, batch);
+  t.kv_indices = all.subspan(2 * batch + 1, ref.num_pages());
+  if constexpr (kPrefill) t.qo_indptr = all.subspan(2 * batch + 1 + ref.num_pages(), batch + 1);
+  return t;
+}
+
+// Where an output goes: a region slice of `bytes` (added to `slices`) or the response.
+absl::Status OutputTo(bool named, const v1::RegionSlice& at, int64_t bytes, const char* field,
+                      CallOutput* out, Slices* slices) {
+  if (named) slices->Output(at, bytes, field, out);
+  return absl::OkStatus();
 }
 
 // indptr[0] == 0, non-decreasing, indptr.back() == last.
@@ -138,7 +262,8 @@ absl::StatusOr<std::vector<int32_t>> LastPageLens(absl::Span<const int32_t> give
 
 // The fields Prefill and Decode share, read from either request type.
 template <typename Request>
-absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, AttentionCall& call) {
+absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const TableSpans& table,
+                            const PoolGeometry& pool, AttentionCall& call, Slices& slices) {
   if (req.layer() < 0 || req.layer() >= pool.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer = ", req.layer(), " is outside [0, ",
                                                    pool.num_layers, ")"));
@@ -146,8 +271,8 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
   call.layer = req.layer();
 
   const int batch = call.batch_size;
-  call.kv_indptr = absl::MakeConstSpan(req.kv_indptr());
-  call.kv_indices = absl::MakeConstSpan(req.kv_indices());
+  call.kv_indptr = table.kv_indptr;
+  call.kv_indices = table.kv_indices;
   if (call.kv_indptr.size() != static_cast<size_t>(batch) + 1) {
     return absl::InvalidArgumentError(absl::StrCat("kv_indptr has ", call.kv_indptr.size(),
                                                    " entries, expected batch + 1 = ", batch + 1));
@@ -155,12 +280,12 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
   ATTN_RETURN_IF_ERROR(CheckIndptr(call.kv_indptr, "kv_indptr",
                               static_cast<int64_t>(call.kv_indices.size()), "len(kv_indices)"));
   ATTN_RETURN_IF_ERROR(CheckPagesPerSequence(call.kv_indptr, pool));
-  ATTN_ASSIGN_OR_RETURN(call.kv_last_page_len, LastPageLens(absl::MakeConstSpan(req.kv_last_page_len()),
-                                                       call.kv_indptr, batch, pool.page_size));
+  ATTN_ASSIGN_OR_RETURN(call.kv_last_page_len,
+                        LastPageLens(table.kv_last_page_len, call.kv_indptr, batch, pool.page_size));
 
   const int64_t tq = call.total_q;
   const RowShapes& rows = pool.rows();
-  ATTN_ASSIGN_OR_RETURN(call.q, Bf16Rows(req.q(), "q", tq, rows.q));
+  ATTN_RETURN_IF_ERROR(Bf16Rows(req.q(), data.q(), "q", tq, rows.q, &call.q, &slices));
   if (pool.kind == PoolKind::kGqa) {
     if (req.has_q_pe() || req.has_ckv_new() || req.has_kpe_new()) {
       return absl::InvalidArgumentError(
@@ -170,11 +295,14 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
       return absl::InvalidArgumentError("k_new and v_new must be sent together");
     }
     if (req.has_k_new()) {
-      ATTN_ASSIGN_OR_RETURN(call.k_new, Bf16Rows(req.k_new(), "k_new", tq, rows.k_new));
-      ATTN_ASSIGN_OR_RETURN(call.v_new, Bf16Rows(req.v_new(), "v_new", tq, rows.v_new));
+      ATTN_RETURN_IF_ERROR(
+          Bf16Rows(req.k_new(), data.k_new(), "k_new", tq, rows.k_new, &call.k_new, &slices));
+      ATTN_RETURN_IF_ERROR(
+          Bf16Rows(req.v_new(), data.v_new(), "v_new", tq, rows.v_new, &call.v_new, &slices));
     }
   } else {
-    ATTN_ASSIGN_OR_RETURN(call.q_pe, Bf16Rows(req.q_pe(), "q_pe", tq, rows.q_pe));
+    ATTN_RETURN_IF_ERROR(
+        Bf16Rows(req.q_pe(), data.q_pe(), "q_pe", tq, rows.q_pe, &call.q_pe, &slices));
     if (req.has_k_new() || req.has_v_new()) {
       return absl::InvalidArgumentError("k_new and v_new are GQA fields; this pool is MLA");
     }
@@ -182,8 +310,10 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
       return absl::InvalidArgumentError("ckv_new and kpe_new must be sent together");
     }
     if (req.has_ckv_new()) {
-      ATTN_ASSIGN_OR_RETURN(call.k_new, Bf16Rows(req.ckv_new(), "ckv_new", tq, rows.k_new));
-      ATTN_ASSIGN_OR_RETURN(call.v_new, Bf16Rows(req.kpe_new(), "kpe_new", tq, rows.v_new));
+      ATTN_RETURN_IF_ERROR(Bf16Rows(req.ckv_new(), data.ckv_new(), "ckv_new", tq, rows.k_new,
+                                    &call.k_new, &slices));
+      ATTN_RETURN_IF_ERROR(Bf16Rows(req.kpe_new(), data.kpe_new(), "kpe_new", tq, rows.v_new,
+                                    &call.v_new, &slices));
     }
   }
 
@@ -200,6 +330,17 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
         "sm_scale is required for MLA pools (e.g. 0.1352337747812271 for DeepSeek-V3)");
   }
   call.return_lse = req.return_lse();
+  if (req.has_lse_to() && !call.return_lse) {
+    return absl::InvalidArgumentError("lse_to is set but return_lse is false");
+  }
+  if (req.has_lse_to() && !req.has_output_to()) {
+    return absl::InvalidArgumentError("lse_to needs output_to: both outputs go to regions");
+  }
+  ATTN_RETURN_IF_ERROR(OutputTo(req.has_output_to(), req.output_to(),
+                                tq * rows.out.elements() * int64_t{sizeof(bf16)}, "output_to",
+                                &call.out, &slices));
+  ATTN_RETURN_IF_ERROR(OutputTo(req.has_lse_to(), req.lse_to(), tq * rows.lse * int64_t{4},
+                                "lse_to", &call.lse, &slices));
 
   // Appended rows take the last q_len positions of each sequence, so they must fit in kv_len,
   // and the pages they land in belong to that sequence alone (two writers of one page would
@@ -238,11 +379,14 @@ absl::Status ValidateCommon(const Request& req, const PoolGeometry& pool, Attent
 
 }  // namespace
 
-absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,
-                                              const PoolGeometry& pool) {
-  AttentionCall call;
+absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
+                                              const InlineTensors& data, const PoolGeometry& pool,
+                                              const RegionResolver& regions) {
+  ValidatedCall v;
+  AttentionCall& call = v.call;
   call.op = Op::kPrefill;
-  call.qo_indptr = absl::MakeConstSpan(req.qo_indptr());
+  ATTN_ASSIGN_OR_RETURN(const TableSpans table, ReadPageTable(req, regions, call));
+  call.qo_indptr = table.qo_indptr;
   if (call.qo_indptr.size() < 2 || call.qo_indptr.size() > kMaxCallTokens + 1u) {
     return absl::InvalidArgumentError(absl::StrCat("qo_indptr has ", call.qo_indptr.size(),
                                                    " entries; send batch + 1 with batch in [1, ",
@@ -255,24 +399,43 @@ absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,
                                                    " is outside [0, ", kMaxCallTokens, "]"));
   }
   ATTN_RETURN_IF_ERROR(CheckIndptr(call.qo_indptr, "qo_indptr", call.total_q, "total_q"));
-  ATTN_RETURN_IF_ERROR(ValidateCommon(req, pool, call));
-  return call;
+  Slices slices;
+  ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, call, slices));
+  ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
+  return v;
 }
 
-absl::StatusOr<AttentionCall> ValidateDecode(const v1::DecodeRequest& req,
-                                             const PoolGeometry& pool) {
-  AttentionCall call;
+absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
+                                             const InlineTensors& data, const PoolGeometry& pool,
+                                             const RegionResolver& regions) {
+  ValidatedCall v;
+  AttentionCall& call = v.call;
   call.op = Op::kDecode;
-  const int64_t batch = static_cast<int64_t>(req.kv_indptr_size()) - 1;
+  ATTN_ASSIGN_OR_RETURN(const TableSpans table, ReadPageTable(req, regions, call));
+  const int64_t batch = static_cast<int64_t>(table.kv_indptr.size()) - 1;
   if (batch < 1 || batch > kMaxCallTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_indptr has ", req.kv_indptr_size(),
+    return absl::InvalidArgumentError(absl::StrCat("kv_indptr has ", table.kv_indptr.size(),
                                                    " entries; send batch + 1 with batch in [1, ",
                                                    kMaxCallTokens, "]"));
   }
   call.batch_size = static_cast<int>(batch);
   call.total_q = call.batch_size;
-  ATTN_RETURN_IF_ERROR(ValidateCommon(req, pool, call));
-  return call;
+  Slices slices;
+  ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, call, slices));
+  ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
+  return v;
+}
+
+absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,
+                                              const PoolGeometry& pool) {
+  ATTN_ASSIGN_OR_RETURN(ValidatedCall v, ValidatePrefill(req, InlineTensorsOf(req), pool, {}));
+  return std::move(v.call);
+}
+
+absl::StatusOr<AttentionCall> ValidateDecode(const v1::DecodeRequest& req,
+                                             const PoolGeometry& pool) {
+  ATTN_ASSIGN_OR_RETURN(ValidatedCall v, ValidateDecode(req, InlineTensorsOf(req), pool, {}));
+  return std::move(v.call);
 }
 
 }  // namespace attn

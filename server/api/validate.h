@@ -1,14 +1,21 @@
 // Validation of Prefill and Decode requests against a pool, before anything is queued or written.
 //
-// Every failure is INVALID_ARGUMENT naming the field, the bad value and the limit. Validation
-// looks at the request and the pool's geometry only; whether the caller owns the pages it names
-// is checked when the call pins them (PagePool::Pin).
+// Every failure is INVALID_ARGUMENT naming the field, the bad value and the limit, except for
+// region references (NOT_FOUND: a region the caller has not registered; FAILED_PRECONDITION: its
+// memory went away). Validation looks at the request, the pool's geometry and the regions the
+// request names; whether the caller owns the pages it names is checked when the call pins them
+// (PagePool::Pin).
 #pragma once
 
+#include <functional>
+
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
+#include "server/api/inline_tensors.h"
 #include "server/engine/attention_call.h"
 #include "server/engine/pool_geometry.h"
+#include "server/engine/regions.h"
 
 namespace attn {
 
@@ -16,8 +23,29 @@ namespace v1 = ::attnserve::v1;
 
 // Largest number of query tokens (Prefill) or sequences (Decode) one call may carry.
 inline constexpr int kMaxCallTokens = 1 << 20;
+// Largest page table (kv_indices entries) a PageTableRef may name.
+inline constexpr int kMaxTablePages = 1 << 24;
 
-// On success the call's views point into `req`, which must outlive it; out/lse are left null.
+// The caller's regions (Engine::ResolveRegions for its session), for requests that name some.
+using RegionResolver = std::function<absl::StatusOr<RegionUse>(absl::Span<const SliceRef>)>;
+
+struct ValidatedCall {
+  AttentionCall call;
+  RegionUse regions;  // the regions the call reads and writes, in use until the call is over
+};
+
+// `data` holds the bytes of the request's inline tensors (InlineTensorsOf(req) when the message
+// holds them itself). On success the call's views point into `req`, `data`'s pieces and the
+// regions; outputs not named in a region are left for the backend. `regions` may be null for
+// callers that allow no regions.
+absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
+                                              const InlineTensors& data, const PoolGeometry& pool,
+                                              const RegionResolver& regions);
+absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
+                                             const InlineTensors& data, const PoolGeometry& pool,
+                                             const RegionResolver& regions);
+
+// The same for a request whose tensors are all in the message, naming no region.
 absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,
                                               const PoolGeometry& pool);
 absl::StatusOr<AttentionCall> ValidateDecode(const v1::DecodeRequest& req,

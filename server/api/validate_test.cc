@@ -120,7 +120,7 @@ TEST_F(ValidateTest, AcceptsValidMlaDecode) {
   EXPECT_EQ(call->batch_size, 2);
   EXPECT_EQ(call->total_q, 2);
   EXPECT_TRUE(call->qo_indptr.empty());
-  EXPECT_NE(call->q_pe, nullptr);
+  EXPECT_TRUE(call->q_pe.present);
   EXPECT_FLOAT_EQ(call->sm_scale, 0.1352337747812271f);
 }
 

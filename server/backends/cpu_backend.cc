@@ -11,6 +11,8 @@
 #include "kernels/cpu/cpu_attention.h"
 #include "kernels/cpu/thread_pool.h"
 #include "server/backends/merged_batch.h"
+#include "server/backends/output_buffers.h"
+#include "server/backends/shared_memory.h"
 
 namespace attn {
 namespace {
@@ -43,7 +45,7 @@ struct CpuPool {
 class CpuLane final : public Lane {
  public:
   CpuLane(const CpuPool& pool, Op op, cpu::ThreadPool& workers)
-      : pool_(pool), op_(op), workers_(workers) {}
+      : pool_(pool), op_(op), workers_(workers), outputs_(OutputBuffers::Host()) {}
 
   absl::StatusOr<LaunchStats> Run(absl::Span<AttentionCall* const> calls) override {
     LaunchStats stats;
@@ -55,14 +57,22 @@ class CpuLane final : public Lane {
                                       [](const AttentionCall* c) { return c->return_lse; });
     const int64_t rows = merged_.total_q();
     const RowShapes& shape = g.rows();
-    out_.resize(rows * shape.out.elements());
-    lse_.resize(want_lse ? rows * shape.lse : 0);
+    // out then lse, in one buffer the responses are sent from.
+    const int64_t out_row_bytes = shape.out.elements() * int64_t{sizeof(bf16)};
+    const int64_t lse_row_bytes = want_lse ? shape.lse * int64_t{sizeof(float)} : 0;
+    const int64_t lse_at = (rows * out_row_bytes + 63) / 64 * 64;
+    absl::StatusOr<std::shared_ptr<char>> buffer =
+        outputs_->Get(static_cast<size_t>(lse_at + rows * lse_row_bytes));
+    if (!buffer.ok()) return buffer.status();
+    bf16* const out = reinterpret_cast<bf16*>(buffer->get());
+    float* const lse = want_lse ? reinterpret_cast<float*>(buffer->get() + lse_at) : nullptr;
     int64_t in_elems = 0;  // bf16 inputs gathered for the launch
     // Gathers one per-call input into a merged scratch buffer; returns the buffer.
-    auto gather = [&](const bf16* AttentionCall::*field, const RowShape& row,
+    auto gather = [&](CallInput AttentionCall::*field, const RowShape& row,
                       std::vector<bf16>& dst) {
       dst.resize(rows * row.elements());
-      GatherRows(calls, merged_, field, row.elements(), dst.data());
+      GatherRows(calls, merged_, field, row.elements() * int64_t{sizeof(bf16)},
+                 reinterpret_cast<char*>(dst.data()));
       in_elems += rows * row.elements();
       return dst.data();
     };
@@ -80,8 +90,8 @@ class CpuLane final : public Lane {
       p.q = q;
       p.k_new = k_new;
       p.v_new = v_new;
-      p.out = out_.data();
-      p.lse = want_lse ? lse_.data() : nullptr;
+      p.out = out;
+      p.lse = lse;
       p.sm_scale = calls.front()->sm_scale;
       timer.Next(&stats.prepare);
       cpu::GqaAppendKv(p, workers_);
@@ -95,8 +105,8 @@ class CpuLane final : public Lane {
       p.q_pe = q_pe;
       p.ckv_new = k_new;
       p.kpe_new = v_new;
-      p.out = out_.data();
-      p.lse = want_lse ? lse_.data() : nullptr;
+      p.out = out;
+      p.lse = lse;
       p.sm_scale = calls.front()->sm_scale;
       timer.Next(&stats.prepare);
       cpu::MlaAppendKv(p, workers_);
@@ -104,11 +114,11 @@ class CpuLane final : public Lane {
     }
     timer.Next(&stats.execute);
     stats.compute = stats.execute;
-    ScatterOutputs(calls, merged_, out_.data(), shape.out.elements() * int64_t{sizeof(bf16)},
-                   lse_.data(), shape.lse);
+    ScatterOutputs(calls, merged_, *buffer, reinterpret_cast<const char*>(out), out_row_bytes,
+                   reinterpret_cast<const char*>(lse), lse_row_bytes);
     timer.Next(&stats.finish);
     stats.bytes_in = in_elems * static_cast<int64_t>(sizeof(bf16));
-    stats.bytes_out = static_cast<int64_t>(out_.size() * sizeof(bf16) + lse_.size() * 4);
+    stats.bytes_out = rows * (out_row_bytes + lse_row_bytes);
     return stats;
   }
 
@@ -118,8 +128,8 @@ class CpuLane final : public Lane {
   cpu::ThreadPool& workers_;
   // Scratch reused across launches: the lane's steady state allocates nothing.
   MergedBatch merged_;
-  std::vector<bf16> q_, q_pe_, k_, v_, out_;
-  std::vector<float> lse_;
+  std::vector<bf16> q_, q_pe_, k_, v_;
+  std::unique_ptr<OutputBuffers> outputs_;  // the launches' outputs, sent from where they are
 };
 
 std::string CpuModelName() {
@@ -157,6 +167,17 @@ class CpuBackend final : public Backend {
       return absl::InvalidArgumentError(absl::StrCat("no pool number ", pool));
     }
     return std::unique_ptr<Lane>(new CpuLane(*pools_[pool], op, workers_));
+  }
+
+  absl::StatusOr<std::unique_ptr<MappedMemory>> MapRegion(
+      const RegionSpec& spec, absl::string_view shm_name_prefix) override {
+    if (spec.kind != RegionKind::kSharedMemory) {
+      return absl::UnimplementedError("the CPU backend cannot map CUDA memory");
+    }
+    absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> mapping =
+        MapSharedMemory(spec, shm_name_prefix);
+    if (!mapping.ok()) return mapping.status();
+    return std::unique_ptr<MappedMemory>(*std::move(mapping));
   }
 
  private:

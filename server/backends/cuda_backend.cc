@@ -11,7 +11,10 @@
 #include "absl/strings/str_format.h"
 #include "kernels/cuda/api.h"
 #include "kernels/cuda/launch_plan.h"
+#include "server/backends/cuda_regions.h"
 #include "server/backends/merged_batch.h"
+#include "server/backends/output_buffers.h"
+#include "server/engine/status_macros.h"
 
 namespace attn {
 namespace {
@@ -72,16 +75,20 @@ class DeviceState {
     }                                                                 \
   } while (0)
 
-// A pinned host buffer and a device buffer of the same capacity, grown on demand (growth is
-// rare: capacity doubles, so a lane reallocates a handful of times in its life).
+// A pinned host buffer and a device buffer of the same capacity (no host buffer when
+// `with_host` is false), grown on demand (growth is rare: capacity doubles, so a lane
+// reallocates a handful of times in its life).
 class StagingPair {
  public:
+  explicit StagingPair(bool with_host = true) : with_host_(with_host) {}
   ~StagingPair() { Release(); }
   absl::Status Reserve(size_t bytes, DeviceState& state) {
     if (bytes <= capacity_) return absl::OkStatus();
     Release();
     capacity_ = std::max(bytes, 2 * capacity_);
-    RETURN_IF_CUDA_ERROR(state, cudaHostAlloc(&host_, capacity_, cudaHostAllocDefault));
+    if (with_host_) {
+      RETURN_IF_CUDA_ERROR(state, cudaHostAlloc(&host_, capacity_, cudaHostAllocDefault));
+    }
     RETURN_IF_CUDA_ERROR(state, cudaMalloc(&device_, capacity_));
     return absl::OkStatus();
   }
@@ -95,10 +102,25 @@ class StagingPair {
     host_ = device_ = nullptr;
     capacity_ = 0;
   }
+  const bool with_host_;
   void* host_ = nullptr;
   void* device_ = nullptr;
   size_t capacity_ = 0;
 };
+
+// Pinned host memory for the outputs the responses are sent from.
+std::unique_ptr<OutputBuffers> PinnedOutputBuffers() {
+  return std::make_unique<OutputBuffers>(
+      [](size_t bytes) -> void* {
+        void* p = nullptr;
+        if (cudaHostAlloc(&p, bytes, cudaHostAllocDefault) != cudaSuccess) {
+          cudaGetLastError();  // an allocation failure is not sticky
+          return nullptr;
+        }
+        return p;
+      },
+      [](void* p) { cudaFreeHost(p); });
+}
 
 struct CudaPool {
   PoolGeometry geometry;
@@ -116,7 +138,9 @@ class CudaLane final : public Lane {
         device_(device),
         workspace_bytes_(workspace_bytes),
         owns_stream_(shared_stream == nullptr),
-        stream_(shared_stream) {}
+        stream_(shared_stream),
+        outputs_(/*with_host=*/false),
+        responses_(PinnedOutputBuffers()) {}
 
   ~CudaLane() override {
     if (workspace_) cudaFree(workspace_);
@@ -169,48 +193,136 @@ class CudaLane final : public Lane {
       launch_.PlanMla(g.MlaView(storage), g.num_qo_heads, merged_.View(op_), options);
     }
 
-    // Inputs: one staging buffer, one copy.
+    // Inputs: gathered into one pinned staging buffer (bytes of the messages) or copied straight
+    // from the callers' regions; the page table and plan follow in the same buffer.
     const cuda::InputLayout& in = launch_.inputs();
     const cuda::RowWidths& w = launch_.widths();
     if (absl::Status st = inputs_.Reserve(in.bytes, state_); !st.ok()) return st;
-    char* h = inputs_.host();
-    auto rows = [h](const cuda::StagingSection& s) {
-      return reinterpret_cast<bf16*>(h + s.offset);
-    };
-    GatherRows(calls, merged_, &AttentionCall::q, w.q, rows(in.q));
-    if (launch_.mla()) GatherRows(calls, merged_, &AttentionCall::q_pe, w.q_pe, rows(in.q_pe));
-    if (options.append) {
-      GatherRows(calls, merged_, &AttentionCall::k_new, w.k_new, rows(in.k_new));
-      GatherRows(calls, merged_, &AttentionCall::v_new, w.v_new, rows(in.v_new));
-    }
-    launch_.WriteIndices(h);
-    // Outputs: out then lse, one buffer, one copy back.
+    launch_.WriteIndices(inputs_.host());
     const cuda::OutputLayout& out = launch_.outputs();
     if (absl::Status st = outputs_.Reserve(out.bytes, state_); !st.ok()) return st;
     RETURN_IF_CUDA_ERROR(state_, launch_.Bind(inputs_.device(), outputs_.device(), workspace_,
                                               static_cast<size_t>(workspace_bytes_)));
-
+    constexpr int64_t kBf16 = sizeof(bf16);
+    int64_t bytes_in = 0;
+    ATTN_RETURN_IF_ERROR(StageInput(calls, &AttentionCall::q, in.q, w.q * kBf16, &bytes_in));
+    if (launch_.mla()) {
+      ATTN_RETURN_IF_ERROR(
+          StageInput(calls, &AttentionCall::q_pe, in.q_pe, w.q_pe * kBf16, &bytes_in));
+    }
+    if (options.append) {
+      ATTN_RETURN_IF_ERROR(
+          StageInput(calls, &AttentionCall::k_new, in.k_new, w.k_new * kBf16, &bytes_in));
+      ATTN_RETURN_IF_ERROR(
+          StageInput(calls, &AttentionCall::v_new, in.v_new, w.v_new * kBf16, &bytes_in));
+    }
     timer.Next(&stats.prepare);
-    RETURN_IF_CUDA_ERROR(
-        state_, cudaMemcpyAsync(inputs_.device(), h, in.bytes, cudaMemcpyHostToDevice, stream_));
+    // The tensors' copies are queued; the page table and plan are the buffer's tail.
+    const size_t tail = in.qo_indptr.bytes > 0 ? in.qo_indptr.offset : in.kv_indptr.offset;
+    RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(inputs_.device() + tail, inputs_.host() + tail,
+                                                 in.bytes - tail, cudaMemcpyHostToDevice,
+                                                 stream_));
+    bytes_in += static_cast<int64_t>(in.bytes - tail);
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(start_, stream_));
     RETURN_IF_CUDA_ERROR(state_, launch_.Enqueue(stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(stop_, stream_));
-    RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(outputs_.host(), outputs_.device(), out.bytes,
-                                                 cudaMemcpyDeviceToHost, stream_));
+
+    // Outputs: straight into the callers' regions, and the rest in one copy into a pinned buffer
+    // the responses are sent from.
+    const int64_t out_row = w.out * kBf16, lse_row = w.lse * int64_t{sizeof(float)};
+    std::shared_ptr<char> response;
+    int64_t bytes_out = 0;
+    const bool any_response = std::any_of(calls.begin(), calls.end(), [](const AttentionCall* c) {
+      return !c->out.in_region() || (c->return_lse && !c->lse.in_region());
+    });
+    if (any_response) {
+      absl::StatusOr<std::shared_ptr<char>> buffer = responses_->Get(out.bytes);
+      if (!buffer.ok()) return buffer.status();
+      response = *std::move(buffer);
+      RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(response.get(), outputs_.device(), out.bytes,
+                                                   cudaMemcpyDeviceToHost, stream_));
+      bytes_out += static_cast<int64_t>(out.bytes);
+    }
+    for (size_t i = 0; i < calls.size(); ++i) {
+      AttentionCall& c = *calls[i];
+      const int64_t row = merged_.row_begin(i);
+      auto to_region = [&](CallOutput& o, size_t section, int64_t row_bytes) -> absl::Status {
+        const size_t bytes = static_cast<size_t>(c.total_q * row_bytes);
+        if (!o.in_region() || bytes == 0) return absl::OkStatus();
+        bytes_out += static_cast<int64_t>(bytes);
+        RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(o.host ? o.host : o.device,
+                                                     outputs_.device() + section + row * row_bytes,
+                                                     bytes, cudaMemcpyDefault, stream_));
+        return absl::OkStatus();
+      };
+      ATTN_RETURN_IF_ERROR(to_region(c.out, out.out.offset, out_row));
+      if (c.return_lse) ATTN_RETURN_IF_ERROR(to_region(c.lse, out.lse.offset, lse_row));
+    }
     RETURN_IF_CUDA_ERROR(state_, cudaStreamSynchronize(stream_));
     timer.Next(&stats.execute);
 
-    ScatterOutputs(calls, merged_, outputs_.host() + out.out.offset, w.out * int64_t{sizeof(bf16)},
-                   reinterpret_cast<const float*>(outputs_.host() + out.lse.offset),
-                   static_cast<int>(w.lse));
+    for (size_t i = 0; i < calls.size(); ++i) {
+      AttentionCall& c = *calls[i];
+      const int64_t row = merged_.row_begin(i);
+      if (!c.out.in_region()) {
+        c.out.result = SharedBytes{response, response.get() + out.out.offset + row * out_row,
+                                   static_cast<size_t>(c.total_q * out_row)};
+      }
+      if (c.return_lse && !c.lse.in_region()) {
+        c.lse.result = SharedBytes{response, response.get() + out.lse.offset + row * lse_row,
+                                   static_cast<size_t>(c.total_q * lse_row)};
+      }
+    }
     timer.Next(&stats.finish);
     float ms = 0.f;
     RETURN_IF_CUDA_ERROR(state_, cudaEventElapsedTime(&ms, start_, stop_));
     stats.compute = absl::Microseconds(static_cast<int64_t>(ms * 1e3));
-    stats.bytes_in = static_cast<int64_t>(in.bytes);
-    stats.bytes_out = static_cast<int64_t>(out.bytes);
+    stats.bytes_in = bytes_in;
+    stats.bytes_out = bytes_out;
     return stats;
+  }
+
+ private:
+  // Brings one per-call input of every call into its device staging section: bytes of the
+  // messages are gathered into pinned staging and copied in runs of adjacent calls; inputs in
+  // regions are copied straight from the caller's memory (page-locked host memory, or device
+  // memory of this or a peer GPU). Queued on the lane's stream.
+  absl::Status StageInput(absl::Span<AttentionCall* const> calls, CallInput AttentionCall::*field,
+                          const cuda::StagingSection& section, int64_t row_bytes,
+                          int64_t* bytes_in) {
+    size_t run_begin = 0, run_end = 0;  // staged bytes of the section not yet copied
+    auto flush = [&]() -> absl::Status {
+      if (run_end > run_begin) {
+        RETURN_IF_CUDA_ERROR(
+            state_, cudaMemcpyAsync(inputs_.device() + section.offset + run_begin,
+                                    inputs_.host() + section.offset + run_begin,
+                                    run_end - run_begin, cudaMemcpyHostToDevice, stream_));
+      }
+      run_begin = run_end;
+      return absl::OkStatus();
+    };
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const CallInput& x = calls[i]->*field;
+      const size_t at = static_cast<size_t>(merged_.row_begin(i) * row_bytes);
+      if (x.bytes == 0) continue;
+      *bytes_in += static_cast<int64_t>(x.bytes);
+      if (x.on_device() || x.registered) {
+        ATTN_RETURN_IF_ERROR(flush());
+        const void* src = x.on_device() ? static_cast<const void*>(x.device)
+                                        : static_cast<const void*>(x.host.contiguous());
+        RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(inputs_.device() + section.offset + at, src,
+                                                     x.bytes, cudaMemcpyDefault, stream_));
+        run_begin = run_end = at + x.bytes;
+        continue;
+      }
+      if (run_end != at) {
+        ATTN_RETURN_IF_ERROR(flush());
+        run_begin = run_end = at;
+      }
+      x.host.CopyTo(inputs_.host() + section.offset + at);
+      run_end = at + x.bytes;
+    }
+    return flush();
   }
 
  private:
@@ -228,7 +340,9 @@ class CudaLane final : public Lane {
   // Reused across launches.
   MergedBatch merged_;
   cuda::LaunchPlan launch_;
-  StagingPair inputs_, outputs_;
+  StagingPair inputs_;
+  StagingPair outputs_;  // device only: outputs go to regions or into `responses_`
+  std::unique_ptr<OutputBuffers> responses_;
 };
 
 class CudaBackend final : public Backend {
@@ -277,6 +391,12 @@ class CudaBackend final : public Backend {
                                            options_.workspace_bytes, shared_stream_);
     if (absl::Status st = lane->Init(); !st.ok()) return st;
     return std::unique_ptr<Lane>(std::move(lane));
+  }
+
+  absl::StatusOr<std::unique_ptr<MappedMemory>> MapRegion(
+      const RegionSpec& spec, absl::string_view shm_name_prefix) override {
+    if (state_.poisoned()) return state_.Poisoned();
+    return MapCudaRegion(spec, options_.device, shm_name_prefix);
   }
 
  private:

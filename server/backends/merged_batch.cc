@@ -38,17 +38,40 @@ PagedBatch MergedBatch::View(Op op) const {
   return b;
 }
 
+void GatherRows(absl::Span<AttentionCall* const> calls, const MergedBatch& merged,
+                CallInput AttentionCall::*field, int64_t row_bytes, char* dst) {
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const CallInput& in = calls[i]->*field;
+    // A call may have no query rows (every sequence with q_len 0): nothing to copy.
+    if (in.bytes == 0) continue;
+    in.host.CopyTo(dst + merged.row_begin(i) * row_bytes);
+  }
+}
+
+namespace {
+
+// Rows [row, row + rows) of `rows_base` for one output of a call.
+void Deliver(CallOutput& out, const std::shared_ptr<char>& buffer, const char* rows_base,
+             int64_t row, int64_t rows, int64_t row_bytes) {
+  const char* begin = rows_base + row * row_bytes;
+  const size_t bytes = static_cast<size_t>(rows * row_bytes);
+  if (out.host != nullptr) {
+    if (bytes > 0) std::memcpy(out.host, begin, bytes);
+  } else {
+    out.result = SharedBytes{buffer, begin, bytes};
+  }
+}
+
+}  // namespace
+
 void ScatterOutputs(absl::Span<AttentionCall* const> calls, const MergedBatch& merged,
-                    const void* out, int64_t out_row_bytes, const float* lse, int lse_row_elems) {
-  const auto* out_bytes = static_cast<const char*>(out);
+                    const std::shared_ptr<char>& buffer, const char* out, int64_t out_row_bytes,
+                    const char* lse, int64_t lse_row_bytes) {
   for (size_t i = 0; i < calls.size(); ++i) {
     AttentionCall& c = *calls[i];
     const int64_t row = merged.row_begin(i);
-    c.out->assign(out_bytes + row * out_row_bytes, c.total_q * out_row_bytes);
-    if (c.return_lse) {
-      c.lse->assign(reinterpret_cast<const char*>(lse + row * lse_row_elems),
-                    c.total_q * lse_row_elems * sizeof(float));
-    }
+    Deliver(c.out, buffer, out, row, c.total_q, out_row_bytes);
+    if (c.return_lse) Deliver(c.lse, buffer, lse, row, c.total_q, lse_row_bytes);
   }
 }
 

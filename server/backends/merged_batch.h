@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -37,23 +38,17 @@ class MergedBatch {
   std::vector<int32_t> qo_indptr_, kv_indptr_, kv_indices_, kv_last_page_len_, seq_layer_;
 };
 
-// Copies the rows of one per-call input (rows of `row_elems` elements, selected by `field`, e.g.
-// &AttentionCall::q) of every call into `dst` at the call's merged row offset.
-template <typename T>
+// Copies one per-call host input (rows of `row_bytes`, selected by `field`, e.g.
+// &AttentionCall::q) of every call into `dst` at the call's merged row offset. The inputs must be
+// in host memory.
 void GatherRows(absl::Span<AttentionCall* const> calls, const MergedBatch& merged,
-                const bf16* AttentionCall::*field, int64_t row_elems, T* dst) {
-  static_assert(sizeof(T) == sizeof(bf16));
-  for (size_t i = 0; i < calls.size(); ++i) {
-    const int64_t bytes = calls[i]->total_q * row_elems * int64_t{sizeof(bf16)};
-    // A call may have no query rows (every sequence with q_len 0); dst is then null, and memcpy
-    // of 0 bytes to null is still undefined.
-    if (bytes == 0) continue;
-    std::memcpy(dst + merged.row_begin(i) * row_elems, calls[i]->*field, bytes);
-  }
-}
+                CallInput AttentionCall::*field, int64_t row_bytes, char* dst);
 
-// Copies each call's slice of the merged output (and lse, for calls that asked) into the call.
+// Hands each call its rows of the launch's outputs: `out` rows of `out_row_bytes` and `lse` rows
+// of `lse_row_bytes` (for calls that asked), both in `buffer`. A call with output regions in host
+// memory gets its rows copied there; the others get SharedBytes pointing into `buffer`.
 void ScatterOutputs(absl::Span<AttentionCall* const> calls, const MergedBatch& merged,
-                    const void* out, int64_t out_row_bytes, const float* lse, int lse_row_elems);
+                    const std::shared_ptr<char>& buffer, const char* out, int64_t out_row_bytes,
+                    const char* lse, int64_t lse_row_bytes);
 
 }  // namespace attn

@@ -9,10 +9,13 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "server/engine/attention_call.h"
 #include "server/engine/pool_geometry.h"
+#include "server/engine/regions.h"
 
 namespace attn {
 
@@ -60,6 +63,16 @@ class Backend {
 
   // A new execution context for calls of `op` on pool number `pool`.
   virtual absl::StatusOr<std::unique_ptr<Lane>> CreateLane(int pool, Op op) = 0;
+
+  // Maps a region a caller shares (server/engine/regions.h) so the lanes can read and write it:
+  // shared memory opened only under `shm_name_prefix`. UNIMPLEMENTED for a kind the backend
+  // cannot use (CUDA IPC without a GPU). Thread safe.
+  virtual absl::StatusOr<std::unique_ptr<MappedMemory>> MapRegion(
+      const RegionSpec& spec, absl::string_view shm_name_prefix) {
+    (void)spec;
+    (void)shm_name_prefix;
+    return absl::UnimplementedError(absl::StrCat("the ", name(), " backend maps no regions"));
+  }
 };
 
 }  // namespace attn

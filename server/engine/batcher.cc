@@ -17,6 +17,10 @@ bool Mergeable(const AttentionCall& a, const AttentionCall& b) {
 
 void Complete(PendingCall& call, const absl::Status& status, CallReport report) {
   report.finished = absl::Now();
+  if (status.ok()) {
+    report.out = std::move(call.call.out.result);
+    report.lse = std::move(call.call.lse.result);
+  }
   call.done(status, report);
 }
 

@@ -44,6 +44,9 @@ struct CallReport {
   // Set when the call was refused because its queue was full: how long the caller should wait
   // before retrying (Batcher::RetryHint).
   absl::Duration retry_after = absl::ZeroDuration();
+  // The call's outputs when it succeeded and they were left for the response (not written into
+  // a region): AttentionCall::out.result and lse.result.
+  SharedBytes out, lse;
 };
 
 // Observes every launch (metrics); called on the batcher thread. `pool` is the batcher's pool

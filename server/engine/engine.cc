@@ -11,15 +11,21 @@
 namespace attn {
 
 Engine::Engine(std::unique_ptr<Backend> backend, const SessionOptions& sessions, uint64_t epoch,
-               PageObserver* page_observer)
-    : backend_(std::move(backend)), page_observer_(page_observer), sessions_(epoch, sessions) {}
+               PageObserver* page_observer, const DataPlaneOptions& data_plane)
+    : backend_(std::move(backend)),
+      page_observer_(page_observer),
+      sessions_(epoch, sessions),
+      data_plane_(data_plane),
+      regions_(data_plane.limits) {}
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     std::unique_ptr<Backend> backend, std::vector<PoolGeometry> pools,
     const BatchingOptions& batching, const SessionOptions& sessions, uint64_t epoch,
-    BatchObserver* batch_observer, PageObserver* page_observer) {
+    BatchObserver* batch_observer, PageObserver* page_observer,
+    const DataPlaneOptions& data_plane) {
   if (pools.empty()) return absl::InvalidArgumentError("no pools configured");
-  std::unique_ptr<Engine> engine(new Engine(std::move(backend), sessions, epoch, page_observer));
+  std::unique_ptr<Engine> engine(
+      new Engine(std::move(backend), sessions, epoch, page_observer, data_plane));
   for (PoolGeometry& g : pools) {
     for (const auto& existing : engine->pools_) {
       if (existing->geometry.name == g.name) {
@@ -71,22 +77,77 @@ OpenedSession Engine::OpenSession(absl::Duration lease, int max_pages) {
 
 absl::Status Engine::RenewLease(const Caller& caller) { return Resolve(caller).status(); }
 
-int Engine::ReleaseLocked(absl::Span<const SessionId> ids, PageEvent why) {
+int Engine::ReleaseLocked(absl::Span<const SessionId> ids, PageEvent why,
+                          std::vector<std::shared_ptr<void>>* unmap) {
   int released = 0;
   for (auto& pool : pools_) released += pool->pages_.ReleaseOwners(ids, why);
+  for (SessionId id : ids) regions_.ReleaseSession(id, unmap);
   return released;
 }
 
 absl::StatusOr<int> Engine::CloseSession(absl::string_view handle) {
+  std::vector<std::shared_ptr<void>> unmap;  // regions, unmapped after the lock is released
   absl::MutexLock lock(&mu_);
   ATTN_ASSIGN_OR_RETURN(const SessionId id, sessions_.Close(handle));
-  return ReleaseLocked(absl::MakeConstSpan(&id, 1), PageEvent::kClosed);
+  return ReleaseLocked(absl::MakeConstSpan(&id, 1), PageEvent::kClosed, &unmap);
 }
 
 void Engine::ExpireSessions(absl::Time now) {
+  std::vector<std::shared_ptr<void>> unmap;
   absl::MutexLock lock(&mu_);
   const std::vector<SessionId> expired = sessions_.Expire(now);
-  ReleaseLocked(expired, PageEvent::kReclaimed);
+  ReleaseLocked(expired, PageEvent::kReclaimed, &unmap);
+}
+
+// --- Registered memory
+
+absl::StatusOr<RegionInfo> Engine::RegisterRegion(const Caller& caller, absl::string_view name,
+                                                  const RegionSpec& spec) {
+  const bool allowed = spec.kind == RegionKind::kSharedMemory ? data_plane_.shared_memory
+                                                              : data_plane_.cuda_ipc;
+  if (!allowed) {
+    return absl::UnimplementedError(absl::StrCat(
+        "this server does not accept ", RegionKindName(spec.kind),
+        " regions (ServerConfig.data_plane; GetServerInfo.data_plane says what it accepts)"));
+  }
+  // What the memory is: a retry of a registration whose answer was lost finds the same.
+  const std::string what =
+      absl::StrCat(static_cast<int>(spec.kind), ":", spec.shm_name.size(), ":", spec.shm_name,
+                   spec.ipc_handle, ":", spec.offset, ":", spec.size, ":", spec.key);
+  SessionId owner = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ATTN_ASSIGN_OR_RETURN(owner, Resolve(caller));
+    ATTN_ASSIGN_OR_RETURN(std::optional<RegionInfo> existing,
+                          regions_.Reserve(owner, name, spec.size, what));
+    if (existing.has_value()) return *std::move(existing);
+  }
+  // Mapping (and page-locking) can take milliseconds: outside the engine's lock. A session that
+  // closes meanwhile drops the reservation, and Commit then unmaps.
+  absl::StatusOr<std::unique_ptr<MappedMemory>> memory =
+      backend_->MapRegion(spec, data_plane_.shm_name_prefix);
+  if (!memory.ok()) {
+    regions_.Abandon(owner, name);
+    return memory.status();
+  }
+  return regions_.Commit(owner, name, *std::move(memory));
+}
+
+absl::Status Engine::UnregisterRegion(const Caller& caller, absl::string_view name) {
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  return regions_.Remove(owner, name);
+}
+
+absl::StatusOr<std::vector<RegionInfo>> Engine::ListRegions(const Caller& caller) {
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  return regions_.List(owner);
+}
+
+absl::StatusOr<RegionUse> Engine::ResolveRegions(const Caller& caller,
+                                                 absl::Span<const SliceRef> slices) {
+  if (slices.empty()) return RegionUse();
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  return regions_.Resolve(owner, slices);
 }
 
 // --- Pages
@@ -142,7 +203,8 @@ absl::StatusOr<Engine::Pool*> Engine::FindPool(absl::string_view name) {
       absl::StrCat("no pool '", name, "'; pools: ", absl::StrJoin(names, ", ")));
 }
 
-absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, AttentionCall call) {
+absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, AttentionCall call,
+                                        RegionUse regions) {
   ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
   {
     absl::MutexLock lock(&drain_mu_);
@@ -150,7 +212,7 @@ absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, Attent
     ++active_calls_;
   }
   // From here on `admission` owns what has been taken: a refusal below gives it all back.
-  Admission admission(this, &pool, std::move(call));
+  Admission admission(this, &pool, std::move(call), std::move(regions));
   // Pinned pages cannot be freed or reclaimed until the call finishes.
   const AttentionCall& c = admission.call_;
   ATTN_RETURN_IF_ERROR(pool.pages_.Pin(c.kv_indices, owner, "kv_indices"));
@@ -173,8 +235,11 @@ void Engine::Submit(Admission admission, absl::Time deadline, std::function<bool
   // call of `finish` releases it.
   auto held = std::make_shared<Admission>(std::move(admission));
   auto finish = [held, done = std::move(done)](const absl::Status& st, const CallReport& report) {
+    // A region whose memory went away while the call ran (a truncated shared-memory object)
+    // gave the call zeros: it fails instead of answering with them.
+    absl::Status result = st.ok() ? held->regions_.CheckIntact() : st;
     held->ReleasePages();
-    done(st, report);
+    done(result, report);
     held->Release();
   };
   pending->done = finish;
@@ -218,7 +283,8 @@ Admission::Admission(Admission&& other) noexcept
       pool_(other.pool_),
       call_(std::move(other.call_)),
       pinned_(std::exchange(other.pinned_, {})),
-      locked_(std::move(other.locked_)) {
+      locked_(std::move(other.locked_)),
+      regions_(std::move(other.regions_)) {
   other.locked_.clear();
 }
 
@@ -231,6 +297,7 @@ Admission& Admission::operator=(Admission&& other) noexcept {
     pinned_ = std::exchange(other.pinned_, {});
     locked_ = std::move(other.locked_);
     other.locked_.clear();
+    regions_ = std::move(other.regions_);
   }
   return *this;
 }
@@ -241,6 +308,7 @@ void Admission::ReleasePages() {
   locked_.clear();
   pool_->pages_.Unpin(pinned_);
   pinned_ = {};
+  regions_ = RegionUse();
 }
 
 void Admission::Release() {

@@ -29,6 +29,7 @@
 #include "server/engine/observer.h"
 #include "server/engine/page_pool.h"
 #include "server/engine/pool_geometry.h"
+#include "server/engine/regions.h"
 #include "server/engine/sessions.h"
 
 namespace attn {
@@ -74,7 +75,8 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(
       std::unique_ptr<Backend> backend, std::vector<PoolGeometry> pools,
       const BatchingOptions& batching, const SessionOptions& sessions, uint64_t epoch,
-      BatchObserver* batch_observer, PageObserver* page_observer);
+      BatchObserver* batch_observer, PageObserver* page_observer,
+      const DataPlaneOptions& data_plane = {});
   ~Engine();  // stops the reaper and the batchers (queued calls end UNAVAILABLE)
 
   // --- Sessions (the contract is attention.proto's "Sessions and leases").
@@ -98,6 +100,19 @@ class Engine {
   absl::StatusOr<int> FreePages(absl::string_view pool, const Caller& caller,
                                 absl::Span<const int32_t> page_ids);
 
+  // --- Registered memory (attention.proto, "Registered memory"), per session.
+  const DataPlaneOptions& data_plane() const { return data_plane_; }
+  // Maps `spec` for the caller's session under `name` (RegionTable::Reserve's errors,
+  // UNIMPLEMENTED for a kind the server does not allow, the backend's mapping errors).
+  absl::StatusOr<RegionInfo> RegisterRegion(const Caller& caller, absl::string_view name,
+                                            const RegionSpec& spec);
+  absl::Status UnregisterRegion(const Caller& caller, absl::string_view name);
+  absl::StatusOr<std::vector<RegionInfo>> ListRegions(const Caller& caller);
+  // The slices a call names in its session's regions, checked and counted as in use
+  // (RegionTable::Resolve); pass the result to Admit.
+  absl::StatusOr<RegionUse> ResolveRegions(const Caller& caller,
+                                           absl::Span<const SliceRef> slices);
+
   // --- Prefill and Decode.
   // The pool called `name`; an empty name selects the only pool when there is exactly one.
   absl::StatusOr<Pool*> FindPool(absl::string_view name);
@@ -105,7 +120,8 @@ class Engine {
   // (UNAVAILABLE while draining), pins its page table (every page must be the caller's) and locks
   // the pages it appends to (FAILED_PRECONDITION when another unfinished call appends there).
   // All or nothing: a refused call holds nothing.
-  absl::StatusOr<Admission> Admit(Pool& pool, const Caller& caller, AttentionCall call);
+  absl::StatusOr<Admission> Admit(Pool& pool, const Caller& caller, AttentionCall call,
+                                  RegionUse regions = {});
   // Queues an admitted call on its pool's batcher. `done` runs once, on the batcher thread, or
   // here when the queue refuses the call (RESOURCE_EXHAUSTED when full, with retry_after).
   // `is_cancelled` is polled before the launch; a call past `deadline` is dropped.
@@ -130,11 +146,12 @@ class Engine {
   friend class Admission;
 
   Engine(std::unique_ptr<Backend> backend, const SessionOptions& sessions, uint64_t epoch,
-         PageObserver* page_observer);
+         PageObserver* page_observer, const DataPlaneOptions& data_plane);
   absl::StatusOr<SessionId> Resolve(const Caller& caller);
-  // Releases the sessions' pages in every pool; returns how many.
-  int ReleaseLocked(absl::Span<const SessionId> ids, PageEvent why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases the sessions' pages in every pool and their regions (into `unmap`, for the caller
+  // to destroy outside the lock); returns how many pages.
+  int ReleaseLocked(absl::Span<const SessionId> ids, PageEvent why,
+                    std::vector<std::shared_ptr<void>>* unmap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndCall();  // an admitted call is over (the drain count)
 
   std::unique_ptr<Backend> backend_;
@@ -144,6 +161,8 @@ class Engine {
   // quota charge, close and expiry with the release of the pages.
   absl::Mutex mu_;
   SessionTable sessions_;
+  const DataPlaneOptions data_plane_;
+  RegionTable regions_;
 
   mutable absl::Mutex drain_mu_;
   bool draining_ ABSL_GUARDED_BY(drain_mu_) = false;
@@ -170,9 +189,10 @@ class Admission {
 
  private:
   friend class Engine;
-  Admission(Engine* engine, Engine::Pool* pool, AttentionCall call)
-      : engine_(engine), pool_(pool), call_(std::move(call)) {}
-  // Unpins the page table and unlocks the appended pages (before the call is answered).
+  Admission(Engine* engine, Engine::Pool* pool, AttentionCall call, RegionUse regions)
+      : engine_(engine), pool_(pool), call_(std::move(call)), regions_(std::move(regions)) {}
+  // Unpins the page table, unlocks the appended pages and stops using the regions (before the
+  // call is answered: a client may unregister them on the answer).
   void ReleasePages();
   // ReleasePages, then leaves the drain count.
   void Release();
@@ -182,6 +202,7 @@ class Admission {
   AttentionCall call_;
   absl::Span<const int32_t> pinned_;  // views into the request, as call_.kv_indices
   std::vector<int64_t> locked_;       // AppendKeys
+  RegionUse regions_;                 // the regions the call reads or writes
 };
 
 }  // namespace attn

@@ -57,6 +57,18 @@ class GateLane final : public Lane {
   Gate* gate_;
 };
 
+// Host memory standing in for a mapped region (the real mappings have tests of their own).
+class HeapRegion final : public MappedMemory {
+ public:
+  explicit HeapRegion(int64_t size) : bytes_(static_cast<size_t>(size)) {}
+  RegionKind kind() const override { return RegionKind::kSharedMemory; }
+  char* data() const override { return const_cast<char*>(bytes_.data()); }
+  int64_t size() const override { return static_cast<int64_t>(bytes_.size()); }
+
+ private:
+  std::vector<char> bytes_;
+};
+
 class GateBackend final : public Backend {
  public:
   explicit GateBackend(Gate* gate) : gate_(gate) {}
@@ -65,6 +77,10 @@ class GateBackend final : public Backend {
   absl::Status AddPool(const PoolGeometry&) override { return absl::OkStatus(); }
   absl::StatusOr<std::unique_ptr<Lane>> CreateLane(int, Op) override {
     return std::unique_ptr<Lane>(new GateLane(gate_));
+  }
+  absl::StatusOr<std::unique_ptr<MappedMemory>> MapRegion(const RegionSpec& spec,
+                                                          absl::string_view) override {
+    return std::unique_ptr<MappedMemory>(new HeapRegion(spec.size));
   }
 
  private:
@@ -138,8 +154,11 @@ class EngineTest : public ::testing::Test {
     sessions.default_lease = absl::Minutes(10);  // the reaper never expires anything by itself
     std::vector<PoolGeometry> pools{PoolGeometry::Gqa("gqa", 2, 4, 4, 2, 64, kGqaPages),
                                     PoolGeometry::Mla("mla", 1, 4, 2, kMlaPages)};
+    DataPlaneOptions data_plane;
+    data_plane.shared_memory = true;  // CUDA IPC stays off
+    data_plane.limits.max_regions_per_session = 2;
     auto engine = Engine::Create(std::make_unique<GateBackend>(&gate_), std::move(pools), batching,
-                                 sessions, /*epoch=*/7, nullptr, &observer_);
+                                 sessions, /*epoch=*/7, nullptr, &observer_, data_plane);
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = *std::move(engine);
   }
@@ -335,6 +354,59 @@ TEST_F(EngineTest, ASubmittedCallIsUnpinnedBeforeItsAnswerAndCountedUntilAfter) 
   EXPECT_FALSE(answer.idle_on_answer);  // still counted while it is answered
   EXPECT_TRUE(engine_->WaitForIdle(absl::Now() + absl::Seconds(30)));
   ExpectBalanced();
+}
+
+RegionSpec Shm(const std::string& name, int64_t size = 4096) {
+  RegionSpec spec;
+  spec.shm_name = name;
+  spec.size = size;
+  spec.key = std::string(kRegionKeyBytes, 'k');
+  return spec;
+}
+
+TEST_F(EngineTest, ARegionUsedByARunningCallCannotBeUnregistered) {
+  const Caller a = Open();
+  ASSERT_TRUE(engine_->RegisterRegion(a, "arena", Shm("/attnserve-a")).ok());
+  const std::vector<int32_t> pages = Allocate(a, 1);
+  gate_.Hold(true);
+  absl::StatusOr<RegionUse> use = engine_->ResolveRegions(a, {{"arena", 0, 256, "q.region"}});
+  ASSERT_TRUE(use.ok()) << use.status();
+  absl::StatusOr<Admission> admitted =
+      engine_->Admit(Pool(), a, Decode(pages, false), *std::move(use));
+  ASSERT_TRUE(admitted.ok());
+  Answer answer;
+  Submit(*std::move(admitted), a, pages, &answer);
+  gate_.AwaitRunning();
+  EXPECT_EQ(engine_->UnregisterRegion(a, "arena").code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->ListRegions(a)->front().calls_in_flight, 1);
+  gate_.Hold(false);
+  ASSERT_TRUE(answer.done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_TRUE(answer.status.ok()) << answer.status;
+  // Released before the answer: a client may unregister as soon as it has it.
+  EXPECT_TRUE(engine_->UnregisterRegion(a, "arena").ok());
+  EXPECT_TRUE(engine_->ListRegions(a)->empty());
+}
+
+TEST_F(EngineTest, RegionsBelongToTheirSessionAndGoWithIt) {
+  const Caller a = Open(), b = Open();
+  ASSERT_TRUE(engine_->RegisterRegion(a, "arena", Shm("/attnserve-a")).ok());
+  // Registering the same memory again (a retry after a lost answer) gets the same region.
+  absl::StatusOr<RegionInfo> again = engine_->RegisterRegion(a, "arena", Shm("/attnserve-a"));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(engine_->RegisterRegion(a, "arena", Shm("/attnserve-other")).status().code(),
+            StatusCode::kAlreadyExists);
+  EXPECT_EQ(engine_->ResolveRegions(b, {{"arena", 0, 16, "q.region"}}).status().code(),
+            StatusCode::kNotFound);  // another session's region does not exist for b
+  EXPECT_EQ(engine_->UnregisterRegion(b, "arena").code(), StatusCode::kNotFound);
+  ASSERT_TRUE(engine_->RegisterRegion(a, "second", Shm("/attnserve-b")).ok());
+  EXPECT_EQ(engine_->RegisterRegion(a, "third", Shm("/attnserve-c")).status().code(),
+            StatusCode::kResourceExhausted);  // the server's limit of 2
+  ASSERT_TRUE(engine_->CloseSession(a.session).ok());
+  EXPECT_EQ(engine_->ListRegions(a).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(engine_->RegisterRegion(b, "arena", Shm("/attnserve-a")).ok());
+  RegionSpec ipc = Shm("");
+  ipc.kind = RegionKind::kCudaIpc;
+  EXPECT_EQ(engine_->RegisterRegion(b, "gpu", ipc).status().code(), StatusCode::kUnimplemented);
 }
 
 TEST_F(EngineTest, DrainRefusesNewWorkAndWaitsForAdmittedCalls) {

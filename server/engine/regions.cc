@@ -14,8 +14,21 @@ struct RegionUse::Region {
   std::atomic<int> in_use{0};  // RegionUses holding it
 };
 
-RegionUse::~RegionUse() {
+void RegionUse::Release() {
   for (const auto& region : regions_) region->in_use.fetch_sub(1, std::memory_order_acq_rel);
+  regions_.clear();
+  slices_.clear();
+}
+
+RegionUse& RegionUse::operator=(RegionUse&& other) noexcept {
+  if (this != &other) {
+    Release();
+    regions_ = std::move(other.regions_);
+    slices_ = std::move(other.slices_);
+    other.regions_.clear();
+    other.slices_.clear();
+  }
+  return *this;
 }
 
 absl::Status RegionUse::CheckIntact() const {
@@ -75,7 +88,9 @@ std::shared_ptr<RegionUse::Region> RegionTable::EraseLocked(SessionId session,
   return region;
 }
 
-absl::Status RegionTable::Reserve(SessionId session, absl::string_view name, int64_t size) {
+absl::StatusOr<std::optional<RegionInfo>> RegionTable::Reserve(SessionId session,
+                                                               absl::string_view name, int64_t size,
+                                                               std::string what) {
   if (!ValidName(name)) {
     return absl::InvalidArgumentError(
         absl::StrCat("region name '", Shown(name), "' must be 1-64 characters of [A-Za-z0-9_.-]"));
@@ -86,7 +101,12 @@ absl::Status RegionTable::Reserve(SessionId session, absl::string_view name, int
   }
   absl::MutexLock lock(&mu_);
   SessionRegions& s = sessions_[session];
-  if (s.by_name.contains(name)) {
+  if (auto it = s.by_name.find(name); it != s.by_name.end()) {
+    const Slot& slot = it->second;
+    if (slot.region != nullptr && !what.empty() && slot.what == what) {
+      return RegionInfo{slot.region->name, slot.region->memory->kind(), slot.size,
+                        slot.region->in_use.load()};
+    }
     return absl::AlreadyExistsError(
         absl::StrCat("region '", name, "' is already registered by this session"));
   }
@@ -105,9 +125,9 @@ absl::Status RegionTable::Reserve(SessionId session, absl::string_view name, int
     if (s.by_name.empty()) sessions_.erase(session);
     return refused;
   }
-  s.by_name.emplace(name, Slot{size, nullptr});
+  s.by_name.emplace(name, Slot{size, std::move(what), nullptr});
   s.bytes += size;
-  return absl::OkStatus();
+  return std::nullopt;
 }
 
 absl::StatusOr<RegionInfo> RegionTable::Commit(SessionId session, absl::string_view name,
@@ -161,17 +181,17 @@ std::vector<RegionInfo> RegionTable::List(SessionId session) const {
   return out;
 }
 
-int RegionTable::ReleaseSession(SessionId session) {
-  SessionRegions released;  // regions no call uses are unmapped as this goes, outside the lock
-  {
-    absl::MutexLock lock(&mu_);
-    auto s = sessions_.find(session);
-    if (s == sessions_.end()) return 0;
-    released = std::move(s->second);
-    sessions_.erase(s);
-  }
+int RegionTable::ReleaseSession(SessionId session, std::vector<std::shared_ptr<void>>* unmap) {
+  absl::MutexLock lock(&mu_);
+  auto s = sessions_.find(session);
+  if (s == sessions_.end()) return 0;
   int count = 0;
-  for (const auto& [name, slot] : released.by_name) count += slot.region != nullptr;
+  for (auto& [name, slot] : s->second.by_name) {
+    if (slot.region == nullptr) continue;
+    ++count;
+    unmap->push_back(std::move(slot.region));
+  }
+  sessions_.erase(s);
   return count;
 }
 

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,14 @@ struct RegionLimits {
   int64_t max_bytes_per_session = int64_t{4} << 30;
 };
 
+// What the operator allows (ServerConfig.data_plane); everything is off by default.
+struct DataPlaneOptions {
+  bool shared_memory = false;
+  bool cuda_ipc = false;
+  RegionLimits limits;
+  std::string shm_name_prefix = "/attnserve";  // only names starting with this are opened
+};
+
 // A region as ListRegions shows it.
 struct RegionInfo {
   std::string name;
@@ -82,16 +91,16 @@ struct SliceRef {
   std::string region;
   int64_t offset = 0;
   int64_t bytes = 0;
-  const char* field = "";  // for error messages, e.g. "q.region"
+  std::string field;  // for error messages, e.g. "q.region"
 };
 
 // The regions one call uses, resolved and counted as in use until this is destroyed.
 class RegionUse {
  public:
   RegionUse() = default;
-  RegionUse(RegionUse&&) = default;
-  RegionUse& operator=(RegionUse&&) = default;
-  ~RegionUse();
+  RegionUse(RegionUse&& other) noexcept = default;
+  RegionUse& operator=(RegionUse&& other) noexcept;  // stops using what this used
+  ~RegionUse() { Release(); }
 
   // Address of slice i of the Resolve call that made this (host or device, see kind(i)).
   char* data(size_t i) const { return slices_[i].data; }
@@ -104,6 +113,7 @@ class RegionUse {
  private:
   friend class RegionTable;
   struct Region;
+  void Release();
   struct Slice {
     char* data;
     RegionKind kind;
@@ -123,9 +133,12 @@ class RegionTable {
 
   // Checks the name and the session's limits for a region of `size` bytes and reserves both, so
   // the (slow) mapping runs outside the lock: INVALID_ARGUMENT for a bad name, ALREADY_EXISTS for
-  // a name the session uses, RESOURCE_EXHAUSTED past a limit. Then exactly one of Commit (the
-  // mapping succeeded) or Abandon (it failed).
-  absl::Status Reserve(SessionId session, absl::string_view name, int64_t size);
+  // a name the session uses for other memory, RESOURCE_EXHAUSTED past a limit. Then exactly one
+  // of Commit (the mapping succeeded) or Abandon (it failed). `what` identifies the memory (kind,
+  // name or handle, offset, size, key): a retry of a registration that succeeded (its answer was
+  // lost) finds the same `what` and gets the region's info instead, with nothing reserved.
+  absl::StatusOr<std::optional<RegionInfo>> Reserve(SessionId session, absl::string_view name,
+                                                    int64_t size, std::string what = "");
   // Installs the mapping under a reserved name. If the session was released in between, the
   // mapping is dropped and NOT_FOUND returned.
   absl::StatusOr<RegionInfo> Commit(SessionId session, absl::string_view name,
@@ -137,9 +150,10 @@ class RegionTable {
 
   std::vector<RegionInfo> List(SessionId session) const;
 
-  // Drops every region of a closed or expired session (each unmapped when no call uses it);
-  // returns how many.
-  int ReleaseSession(SessionId session);
+  // Drops every region of a closed or expired session: each is unmapped when no call uses it and
+  // `unmap` (which the caller destroys outside its own locks: unmapping can take milliseconds)
+  // is gone. Returns how many.
+  int ReleaseSession(SessionId session, std::vector<std::shared_ptr<void>>* unmap);
 
   // Checks every slice against the session's regions -- registered (NOT_FOUND otherwise), offset
   // aligned to kRegionSliceAlignment and [offset, offset + bytes) inside the region, overflow-safe
@@ -152,6 +166,7 @@ class RegionTable {
  private:
   struct Slot {
     int64_t size = 0;
+    std::string what;                           // Reserve's `what`
     std::shared_ptr<RegionUse::Region> region;  // nullptr while reserved
   };
   struct SessionRegions {

@@ -95,6 +95,20 @@ TEST_F(RegionTableTest, AFailedResolveReleasesWhatItCounted) {
   EXPECT_TRUE(table_.Remove(1, "a").ok());  // not in use
 }
 
+TEST_F(RegionTableTest, AssigningOverAUseStopsIt) {
+  Register(1, "a", 1024);
+  absl::StatusOr<RegionUse> use = table_.Resolve(1, {{"a", 0, 16, "q"}});
+  ASSERT_TRUE(use.ok());
+  EXPECT_EQ(table_.List(1)[0].calls_in_flight, 1);
+  *use = RegionUse();  // as an admission does once its call is over
+  EXPECT_EQ(table_.List(1)[0].calls_in_flight, 0);
+  RegionUse moved = *table_.Resolve(1, {{"a", 0, 16, "q"}});
+  RegionUse target = std::move(moved);
+  EXPECT_EQ(table_.List(1)[0].calls_in_flight, 1);  // moved, not copied
+  target = RegionUse();
+  EXPECT_TRUE(table_.Remove(1, "a").ok());
+}
+
 TEST_F(RegionTableTest, InUseRegionsCannotBeUnregistered) {
   Register(1, "arena", 1024);
   {
@@ -110,10 +124,10 @@ TEST_F(RegionTableTest, InUseRegionsCannotBeUnregistered) {
 TEST_F(RegionTableTest, LimitsCountRegionsAndBytesPerSession) {
   Register(1, "a", 1024);
   Register(1, "b", 1024);
-  EXPECT_EQ(table_.Reserve(1, "big", 4096).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(table_.Reserve(1, "big", 4096).status().code(), absl::StatusCode::kResourceExhausted);
   Register(1, "c", 2048);  // exactly the byte limit
-  EXPECT_EQ(table_.Reserve(1, "d", 64).code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(table_.Reserve(1, "a", 64).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(table_.Reserve(1, "d", 64).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(table_.Reserve(1, "a", 64).status().code(), absl::StatusCode::kAlreadyExists);
   Register(2, "a", 4096);  // another session has limits of its own
   ASSERT_TRUE(table_.Remove(1, "c").ok());
   Register(1, "d", 2048);  // the removed region's bytes are free again
@@ -121,18 +135,33 @@ TEST_F(RegionTableTest, LimitsCountRegionsAndBytesPerSession) {
 
 TEST_F(RegionTableTest, RefusesBadNamesAndSizes) {
   for (const char* name : {"", "a/b", "a b", "\xff", "x\n"}) {
-    EXPECT_EQ(table_.Reserve(1, name, 1024).code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_EQ(table_.Reserve(1, name, 1024).status().code(), absl::StatusCode::kInvalidArgument)
+        << name;
   }
-  EXPECT_EQ(table_.Reserve(1, std::string(65, 'a'), 1024).code(),
+  EXPECT_EQ(table_.Reserve(1, std::string(65, 'a'), 1024).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(table_.Reserve(1, "small", kRegionHeaderBytes - 1).code(),
+  EXPECT_EQ(table_.Reserve(1, "small", kRegionHeaderBytes - 1).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(table_.size(), 0);
 }
 
+TEST_F(RegionTableTest, ARetriedRegistrationGetsTheSameRegion) {
+  ASSERT_TRUE(table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key").ok());
+  ASSERT_TRUE(table_.Commit(1, "a", std::make_unique<HeapMemory>(1024, &live_)).ok());
+  absl::StatusOr<std::optional<RegionInfo>> again =
+      table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key");
+  ASSERT_TRUE(again.ok());
+  ASSERT_TRUE(again->has_value());  // nothing to map again
+  EXPECT_EQ((*again)->size, 1024);
+  EXPECT_EQ(table_.Reserve(1, "a", 1024, "shm:/y:0:1024:key").status().code(),
+            absl::StatusCode::kAlreadyExists);  // the name, for other memory
+  EXPECT_EQ(table_.List(1).size(), 1u);
+  EXPECT_EQ(live_, 1);
+}
+
 TEST_F(RegionTableTest, AbandonedReservationsFreeTheirShare) {
   ASSERT_TRUE(table_.Reserve(1, "a", 4096).ok());
-  EXPECT_EQ(table_.Reserve(1, "b", 64).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(table_.Reserve(1, "b", 64).status().code(), absl::StatusCode::kResourceExhausted);
   table_.Abandon(1, "a");
   Register(1, "b", 4096);
   EXPECT_TRUE(table_.List(1).size() == 1);
@@ -143,8 +172,12 @@ TEST_F(RegionTableTest, ReleasedSessionsUnmapWhenTheLastCallEnds) {
   Register(1, "b", 1024);
   absl::StatusOr<RegionUse> use = table_.Resolve(1, {{"a", 0, 16, "q"}});
   ASSERT_TRUE(use.ok());
-  EXPECT_EQ(table_.ReleaseSession(1), 2);
-  EXPECT_EQ(live_, 1);            // b at once, a when its call ends
+  {
+    std::vector<std::shared_ptr<void>> unmap;
+    EXPECT_EQ(table_.ReleaseSession(1, &unmap), 2);
+    EXPECT_EQ(live_, 2);  // nothing is unmapped under the table's lock
+  }
+  EXPECT_EQ(live_, 1);            // b once `unmap` went, a when its call ends
   EXPECT_EQ(use->data(0)[0], 0);  // still mapped for the running call
   *use = RegionUse();
   EXPECT_EQ(live_, 0);
@@ -153,7 +186,8 @@ TEST_F(RegionTableTest, ReleasedSessionsUnmapWhenTheLastCallEnds) {
 
 TEST_F(RegionTableTest, CommitAfterTheSessionWasReleasedUnmaps) {
   ASSERT_TRUE(table_.Reserve(1, "a", 1024).ok());
-  table_.ReleaseSession(1);
+  std::vector<std::shared_ptr<void>> unmap;
+  EXPECT_EQ(table_.ReleaseSession(1, &unmap), 0);  // reserved only
   EXPECT_EQ(table_.Commit(1, "a", std::make_unique<HeapMemory>(1024, &live_)).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(live_, 0);
@@ -185,7 +219,10 @@ TEST_F(RegionTableTest, ConcurrentCallsAndReleasesKeepCountsExact) {
         }
       });
     }
-    table_.ReleaseSession(1);
+    {
+      std::vector<std::shared_ptr<void>> unmap;
+      table_.ReleaseSession(1, &unmap);
+    }
     for (auto& t : callers) t.join();
     ASSERT_EQ(live_, 0);
     ASSERT_EQ(table_.size(), 0);

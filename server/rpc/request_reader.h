@@ -11,7 +11,6 @@
 // is empty and `tensors` holds it instead.
 #pragma once
 
-#include <array>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -20,32 +19,11 @@
 #include "attnserve/v1/attention.pb.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
-#include "server/engine/host_bytes.h"
+#include "server/api/inline_tensors.h"
 
 namespace attn {
 
 namespace v1 = ::attnserve::v1;
-
-// The data of the Tensor fields of PrefillRequest/DecodeRequest (field numbers 3 to 8: q, q_pe,
-// k_new, v_new, ckv_new, kpe_new).
-class InlineTensors {
- public:
-  static constexpr int kFirstField = 3;
-  static constexpr int kLastField = 8;
-  static bool IsTensorField(int field) { return field >= kFirstField && field <= kLastField; }
-
-  const HostBytes& q() const { return of(3); }
-  const HostBytes& q_pe() const { return of(4); }
-  const HostBytes& k_new() const { return of(5); }
-  const HostBytes& v_new() const { return of(6); }
-  const HostBytes& ckv_new() const { return of(7); }
-  const HostBytes& kpe_new() const { return of(8); }
-  const HostBytes& of(int field) const { return data_[field - kFirstField]; }
-  HostBytes& mutable_of(int field) { return data_[field - kFirstField]; }
-
- private:
-  std::array<HostBytes, kLastField - kFirstField + 1> data_;
-};
 
 // Parses `in` into `request` and `tensors`. `slices` receives the message's slices, which the
 // HostBytes point into: keep it alive as long as they are used. INVALID_ARGUMENT for bytes that

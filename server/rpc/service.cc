@@ -11,6 +11,8 @@
 #include "server/api/pool_config.h"
 #include "server/api/validate.h"
 #include "server/rpc/grpc_status.h"
+#include "server/rpc/request_reader.h"
+#include "server/rpc/response_writer.h"
 
 namespace attn {
 namespace {
@@ -34,6 +36,23 @@ constexpr char kPrefill[] = "Prefill";
 constexpr char kDecode[] = "Decode";
 constexpr char kOpenSession[] = "OpenSession";
 constexpr char kCloseSession[] = "CloseSession";
+constexpr char kRegisterRegion[] = "RegisterRegion";
+constexpr char kUnregisterRegion[] = "UnregisterRegion";
+constexpr char kListRegions[] = "ListRegions";
+
+template <typename Request>
+constexpr bool kIsAttention =
+    std::is_same_v<Request, v1::PrefillRequest> || std::is_same_v<Request, v1::DecodeRequest>;
+
+v1::RegionInfo ToProto(const RegionInfo& r) {
+  v1::RegionInfo info;
+  info.set_name(r.name);
+  info.set_kind(r.kind == RegionKind::kSharedMemory ? v1::RegionInfo::KIND_SHARED_MEMORY
+                                                    : v1::RegionInfo::KIND_CUDA_IPC);
+  info.set_size(r.size);
+  info.set_calls_in_flight(r.calls_in_flight);
+  return info;
+}
 
 }  // namespace
 
@@ -51,12 +70,16 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
     metrics_->OnRpc(method, status, absl::Now() - arrived);
     metrics_->OnRpcFinished();
     if (status.ok()) {
-      bool own_buffer = false;
-      const grpc::Status wrote =
-          grpc::SerializationTraits<Response>::Serialize(response, reply_, &own_buffer);
-      if (!wrote.ok()) {
-        Finish(wrote);
-        return;
+      if constexpr (std::is_same_v<Response, v1::AttentionResponse>) {
+        *reply_ = WriteAttentionResponse(response, out, lse);
+      } else {
+        bool own_buffer = false;
+        const grpc::Status wrote =
+            grpc::SerializationTraits<Response>::Serialize(response, reply_, &own_buffer);
+        if (!wrote.ok()) {
+          Finish(wrote);
+          return;
+        }
       }
     }
     Finish(ToGrpcStatus(status));
@@ -69,6 +92,11 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
   const absl::Time arrived = absl::Now();
   Request request;
   Response response;
+  // Prefill and Decode: the message's slices, which `tensors` points into, and the outputs the
+  // response is sent with (AttentionResponse's data, when not in a region).
+  std::vector<grpc::Slice> slices;
+  InlineTensors tensors;
+  SharedBytes out, lse;
 
  private:
   Metrics* const metrics_;
@@ -87,11 +115,19 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
                                                       Handler<Request, Response> handle) {
   auto* call = new Call<Request, Response>(metrics_, method, ctx, out);
   metrics_->OnRpcStarted();
-  grpc::ByteBuffer bytes(*in);  // parsing consumes the buffer; this copy shares its slices
-  if (!grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request).ok()) {
-    call->Complete(absl::InvalidArgumentError(absl::StrCat(
-        "the request is not a valid ", Request::descriptor()->full_name(), " (", in->Length(),
-        " bytes): truncated or corrupt protobuf")));
+  absl::Status parsed;
+  if constexpr (kIsAttention<Request>) {
+    parsed = ReadAttentionRequest(*in, &call->slices, &call->request, &call->tensors);
+  } else {
+    grpc::ByteBuffer bytes(*in);  // parsing consumes the buffer; this copy shares its slices
+    if (!grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request).ok()) {
+      parsed = absl::InvalidArgumentError(absl::StrCat(
+          "the request is not a valid ", Request::descriptor()->full_name(), " (", in->Length(),
+          " bytes): truncated or corrupt protobuf"));
+    }
+  }
+  if (!parsed.ok()) {
+    call->Complete(parsed);
   } else if (absl::Status st = Authorize(ctx, method); !st.ok()) {
     call->Complete(st);
   } else {
@@ -143,6 +179,23 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
   return Serve(kCloseSession, ctx, in, out, &AttentionServiceImpl::HandleCloseSession);
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterRegion(grpc::CallbackServerContext* ctx,
+                                                               const grpc::ByteBuffer* in,
+                                                               grpc::ByteBuffer* out) {
+  return Serve(kRegisterRegion, ctx, in, out, &AttentionServiceImpl::HandleRegisterRegion);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterRegion(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) {
+  return Serve(kUnregisterRegion, ctx, in, out, &AttentionServiceImpl::HandleUnregisterRegion);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListRegions(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* in,
+                                                            grpc::ByteBuffer* out) {
+  return Serve(kListRegions, ctx, in, out, &AttentionServiceImpl::HandleListRegions);
+}
+
 absl::Status AttentionServiceImpl::Authorize(grpc::CallbackServerContext* ctx,
                                              const char* method) const {
   if (!auth_->enabled()) return absl::OkStatus();
@@ -170,6 +223,13 @@ void AttentionServiceImpl::HandleGetServerInfo(
   resp.set_backend(engine_->backend().name());
   resp.set_device(engine_->backend().device());
   resp.set_max_message_bytes(max_message_bytes_);
+  const DataPlaneOptions& plane = engine_->data_plane();
+  v1::DataPlane* dp = resp.mutable_data_plane();
+  dp->set_shared_memory(plane.shared_memory);
+  dp->set_cuda_ipc(plane.cuda_ipc && engine_->backend().name() == "cuda");
+  dp->set_max_regions_per_session(plane.limits.max_regions_per_session);
+  dp->set_max_region_bytes_per_session(plane.limits.max_bytes_per_session);
+  dp->set_shm_name_prefix(plane.shm_name_prefix);
   for (const auto& pool : engine_->pools()) {
     v1::PoolInfo* info = resp.add_pools();
     *info = ToPoolInfo(pool->geometry);
@@ -214,6 +274,47 @@ void AttentionServiceImpl::HandleOpenSession(
   call.Complete(absl::OkStatus());
 }
 
+void AttentionServiceImpl::HandleRegisterRegion(
+    Call<v1::RegisterRegionRequest, v1::RegisterRegionResponse>& call) {
+  const v1::RegisterRegionRequest& req = call.request;
+  RegionSpec spec;
+  switch (req.memory_case()) {
+    case v1::RegisterRegionRequest::kSharedMemory:
+      spec.kind = RegionKind::kSharedMemory;
+      spec.shm_name = req.shared_memory().shm_name();
+      break;
+    case v1::RegisterRegionRequest::kCudaIpc:
+      spec.kind = RegionKind::kCudaIpc;
+      spec.ipc_handle = req.cuda_ipc().handle();
+      break;
+    default:
+      return call.Complete(absl::InvalidArgumentError("set shared_memory or cuda_ipc"));
+  }
+  spec.offset = req.offset();
+  spec.size = req.size();
+  spec.key = req.key();
+  absl::StatusOr<RegionInfo> region =
+      engine_->RegisterRegion(CallerOf(call.ctx, req.session()), req.name(), spec);
+  if (!region.ok()) return call.Complete(region.status());
+  *call.response.mutable_region() = ToProto(*region);
+  call.Complete(absl::OkStatus());
+}
+
+void AttentionServiceImpl::HandleUnregisterRegion(
+    Call<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>& call) {
+  call.Complete(engine_->UnregisterRegion(CallerOf(call.ctx, call.request.session()),
+                                          call.request.name()));
+}
+
+void AttentionServiceImpl::HandleListRegions(
+    Call<v1::ListRegionsRequest, v1::ListRegionsResponse>& call) {
+  absl::StatusOr<std::vector<RegionInfo>> regions =
+      engine_->ListRegions(CallerOf(call.ctx, call.request.session()));
+  if (!regions.ok()) return call.Complete(regions.status());
+  for (const RegionInfo& r : *regions) *call.response.add_regions() = ToProto(r);
+  call.Complete(absl::OkStatus());
+}
+
 void AttentionServiceImpl::HandleCloseSession(
     Call<v1::CloseSessionRequest, v1::CloseSessionResponse>& call) {
   absl::StatusOr<int> freed = engine_->CloseSession(call.request.session());
@@ -229,32 +330,38 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
   if (!pool.ok()) return call.Complete(pool.status());
   const PoolGeometry& g = (*pool)->geometry;
 
-  absl::StatusOr<AttentionCall> attention;
+  const Caller caller = CallerOf(call.ctx, req.session());
+  const RegionResolver regions = [this, &caller](absl::Span<const SliceRef> slices) {
+    return engine_->ResolveRegions(caller, slices);
+  };
+  absl::StatusOr<ValidatedCall> valid;
   if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
-    attention = ValidatePrefill(req, g);
+    valid = ValidatePrefill(req, call.tensors, g, regions);
   } else {
-    attention = ValidateDecode(req, g);
+    valid = ValidateDecode(req, call.tensors, g, regions);
   }
-  if (!attention.ok()) return call.Complete(attention.status());
+  if (!valid.ok()) return call.Complete(valid.status());
+  const int total_q = valid->call.total_q;
+  const bool return_lse = valid->call.return_lse;
   absl::StatusOr<Admission> admitted =
-      engine_->Admit(**pool, CallerOf(call.ctx, req.session()), *std::move(attention));
+      engine_->Admit(**pool, caller, std::move(valid->call), std::move(valid->regions));
   if (!admitted.ok()) return call.Complete(admitted.status());
 
-  // The backend writes the outputs straight into the response.
-  AttentionCall& c = admitted->call();
+  // The outputs' shapes; their bytes are the backend's (sent from its buffer) or in the regions
+  // the request named.
   const RowShapes& rows = g.rows();
   v1::Tensor* out = call.response.mutable_output();
   out->set_dtype(v1::DTYPE_BF16);
-  out->add_shape(c.total_q);
+  out->add_shape(total_q);
   out->add_shape(rows.out.heads);
   out->add_shape(rows.out.dim);
-  c.out = out->mutable_data();
-  if (c.return_lse) {
+  if (req.has_output_to()) *out->mutable_region() = req.output_to();
+  if (return_lse) {
     v1::Tensor* lse = call.response.mutable_lse();
     lse->set_dtype(v1::DTYPE_FP32);
-    lse->add_shape(c.total_q);
+    lse->add_shape(total_q);
     lse->add_shape(rows.lse);
-    c.lse = lse->mutable_data();
+    if (req.has_lse_to()) *lse->mutable_region() = req.lse_to();
   }
 
   grpc::CallbackServerContext* ctx = call.ctx;
@@ -270,6 +377,8 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
           t->set_finish_us(Micros(report.launch.finish));
           t->set_total_us(Micros(report.finished - call.arrived));
           t->set_batch_requests(report.batch_requests);
+          call.out = report.out;
+          call.lse = report.lse;
         }
         if (report.retry_after > absl::ZeroDuration()) {
           // The standard gRPC retry-pushback trailer: clients with a retry policy wait this long.

@@ -3,7 +3,9 @@
 //
 // Every method is registered "raw" (the request arrives as bytes): the service parses it itself,
 // so bytes that are not a valid request get INVALID_ARGUMENT with a message, where gRPC's own
-// parsing would answer UNIMPLEMENTED with none.
+// parsing would answer UNIMPLEMENTED with none. Prefill and Decode are read without copying
+// their tensors (server/rpc/request_reader.h), and their outputs are sent from the backend's
+// buffers (server/rpc/response_writer.h).
 #pragma once
 
 #include <string>
@@ -27,7 +29,10 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServe
                 v1::AttentionService::WithRawCallbackMethod_Decode<
                     v1::AttentionService::WithRawCallbackMethod_OpenSession<
                         v1::AttentionService::WithRawCallbackMethod_CloseSession<
-                            v1::AttentionService::Service>>>>>>>;
+                            v1::AttentionService::WithRawCallbackMethod_RegisterRegion<
+                                v1::AttentionService::WithRawCallbackMethod_UnregisterRegion<
+                                    v1::AttentionService::WithRawCallbackMethod_ListRegions<
+                                        v1::AttentionService::Service>>>>>>>>>>;
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
@@ -54,6 +59,15 @@ class AttentionServiceImpl final : public RawAttentionService {
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
                                          const grpc::ByteBuffer* in,
                                          grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* ctx,
+                                           const grpc::ByteBuffer* in,
+                                           grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                             const grpc::ByteBuffer* in,
+                                             grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* in,
+                                        grpc::ByteBuffer* out) override;
 
  private:
   // One call: its parsed request, its response, and how it finishes (service.cc).
@@ -73,6 +87,10 @@ class AttentionServiceImpl final : public RawAttentionService {
   void HandleFreePages(Call<v1::FreePagesRequest, v1::FreePagesResponse>& call);
   void HandleOpenSession(Call<v1::OpenSessionRequest, v1::OpenSessionResponse>& call);
   void HandleCloseSession(Call<v1::CloseSessionRequest, v1::CloseSessionResponse>& call);
+  void HandleRegisterRegion(Call<v1::RegisterRegionRequest, v1::RegisterRegionResponse>& call);
+  void HandleUnregisterRegion(
+      Call<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>& call);
+  void HandleListRegions(Call<v1::ListRegionsRequest, v1::ListRegionsResponse>& call);
   template <typename Request>
   void HandleAttention(Call<Request, v1::AttentionResponse>& call);
 

@@ -23,7 +23,6 @@ import pytest
 from google.protobuf import text_format
 
 from attnserve import Client
-from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import server_config_pb2 as config_pb
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,20 +30,6 @@ DEFAULT_BIN = REPO / "build" / "release" / "bin" / "attnserve"
 STARTUP_TIMEOUT_S = 60.0
 SHUTDOWN_TIMEOUT_S = 30.0
 LISTENING = re.compile(r"^attnserve listening on (\S+)$")
-
-
-def server_config() -> config_pb.ServerConfig:
-    """Three pools: gqa; gqa_g5 with a non-power-of-two group (20 query heads over 4 kv heads)
-    and page_size 1; mla with page_size 64 as published workloads use."""
-    config = config_pb.ServerConfig(max_message_bytes=64 << 20)
-    gqa, mla = pb.POOL_KIND_GQA, pb.POOL_KIND_MLA
-    config.pools.add(name="gqa", kind=gqa, num_layers=2, page_size=16, num_qo_heads=8,
-                     num_kv_heads=2, head_dim=64, num_pages=256)  # fmt: skip
-    config.pools.add(name="gqa_g5", kind=gqa, num_layers=2, page_size=1, num_qo_heads=20,
-                     num_kv_heads=4, head_dim=128, num_pages=1024)  # fmt: skip
-    config.pools.add(name="mla", kind=mla, num_layers=2, page_size=64, num_qo_heads=16,
-                     num_pages=64)  # fmt: skip
-    return config
 
 
 @dataclass
@@ -88,6 +73,8 @@ def _wait_for_address(lines: queue.Queue) -> str | None:
 
 
 def _start(binary: Path, workdir: Path) -> ServerProcess:
+    from launcher import server_config
+
     config = server_config()
     config_path = workdir / "server.textproto"
     config_path.write_text(text_format.MessageToString(config))

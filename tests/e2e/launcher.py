@@ -17,10 +17,25 @@ import grpc
 import pytest
 from google.protobuf import text_format
 
+from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import server_config_pb2 as config_pb
 
 REPO = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"^attnserve listening on (\S+)$")
+
+
+def server_config() -> config_pb.ServerConfig:
+    """Three pools: gqa; gqa_g5 with a non-power-of-two group (20 query heads over 4 kv heads)
+    and page_size 1; mla with page_size 64 as published workloads use."""
+    config = config_pb.ServerConfig(max_message_bytes=64 << 20)
+    gqa, mla = pb.POOL_KIND_GQA, pb.POOL_KIND_MLA
+    config.pools.add(name="gqa", kind=gqa, num_layers=2, page_size=16, num_qo_heads=8,
+                     num_kv_heads=2, head_dim=64, num_pages=256)  # fmt: skip
+    config.pools.add(name="gqa_g5", kind=gqa, num_layers=2, page_size=1, num_qo_heads=20,
+                     num_kv_heads=4, head_dim=128, num_pages=1024)  # fmt: skip
+    config.pools.add(name="mla", kind=mla, num_layers=2, page_size=64, num_qo_heads=16,
+                     num_pages=64)  # fmt: skip
+    return config
 
 
 def binary() -> Path:

@@ -26,8 +26,7 @@ from attnserve.calls import prefill_request
 from attnserve.regions import SharedMemoryArena
 from attnserve.tensors import bf16_to_float
 
-from conftest import server_config
-from launcher import Launched, launch
+from launcher import Launched, launch, server_config
 from workload import PoolSession, check_result
 
 BACKEND = os.environ.get("ATTNSERVE_BACKEND", "cpu")

@@ -258,9 +258,10 @@ func (t *StagedPageTable) Release() {
 	}
 }
 
-// pageTableLayouts are the int32 layouts of PageTableRef: for Prefill qo_indptr first, then
-// kv_indptr [batch+1], kv_last_page_len [batch], kv_indices.
-func pageTableLayouts(csr BatchCSR) (prefill, decode []int32) {
+// pageTableLayout is the int32 layout of PageTableRef: kv_indptr [batch+1], kv_last_page_len
+// [batch], kv_indices, then qo_indptr (read by Prefill only: a Decode reads the same table
+// without it).
+func pageTableLayout(csr BatchCSR) []int32 {
 	batch := len(csr.KVIndptr) - 1
 	last := csr.KVLastPageLen
 	if len(last) > batch {
@@ -272,9 +273,8 @@ func pageTableLayouts(csr BatchCSR) (prefill, decode []int32) {
 			last[i] = 1
 		}
 	}
-	decode = append(append(append([]int32{}, csr.KVIndptr...), last...), csr.KVIndices...)
-	prefill = append(append([]int32{}, csr.QOIndptr...), decode...)
-	return prefill, decode
+	layout := append(append(append([]int32{}, csr.KVIndptr...), last...), csr.KVIndices...)
+	return append(layout, csr.QOIndptr...)
 }
 
 // StagePageTable writes csr into shared memory (when the client uses it) for the calls of a
@@ -285,21 +285,19 @@ func (c *Client) StagePageTable(ctx context.Context, csr BatchCSR) (*StagedPageT
 	if err != nil || !shm {
 		return t, err
 	}
-	prefill, decode := pageTableLayouts(csr)
-	b, err := c.block(ctx, alignUp(4*int64(len(prefill)), BlockAlignment)+4*int64(len(decode)))
+	layout := pageTableLayout(csr)
+	b, err := c.block(ctx, 4*int64(len(layout)))
 	if err != nil || b == nil {
 		return t, err
 	}
-	ref := func(layout []int32) *pb.PageTableRef {
-		off := b.carve(4 * int64(len(layout)))
-		dst := b.bytes(off, 4*int64(len(layout)))
-		for i, v := range layout {
-			binary.LittleEndian.PutUint32(dst[4*i:], uint32(v))
-		}
-		return &pb.PageTableRef{At: &pb.RegionSlice{Name: b.arena.name, Offset: off},
-			Batch: int32(len(csr.KVIndptr) - 1), NumPages: int32(len(csr.KVIndices))}
+	off := b.carve(4 * int64(len(layout)))
+	dst := b.bytes(off, 4*int64(len(layout)))
+	for i, v := range layout {
+		binary.LittleEndian.PutUint32(dst[4*i:], uint32(v))
 	}
-	t.blk, t.prefill, t.decode = b, ref(prefill), ref(decode)
+	ref := &pb.PageTableRef{At: &pb.RegionSlice{Name: b.arena.name, Offset: off},
+		Batch: int32(len(csr.KVIndptr) - 1), NumPages: int32(len(csr.KVIndices))}
+	t.blk, t.prefill, t.decode = b, ref, ref
 	return t, nil
 }
 

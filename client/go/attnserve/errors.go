@@ -159,7 +159,10 @@ var codeNames = [...]string{
 // the call) into an *Error, reading the pushback trailer.
 func newError(method string, err error, trailer metadata.MD) *Error {
 	e := &Error{Method: method, Code: Code(err), Message: err.Error()}
-	if s, ok := status.FromError(err); ok {
+	// A context error raised on this side (e.g. the deadline passed while the call's tensors
+	// were staged) keeps its code: FromError may report it as UNKNOWN.
+	contextErr := errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)
+	if s, ok := status.FromError(err); ok && !(contextErr && s.Code() == codes.Unknown) {
 		e.Code, e.Message = s.Code(), s.Message()
 	}
 	if v := trailer.Get(PushbackTrailer); len(v) == 1 {

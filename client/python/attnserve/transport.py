@@ -172,32 +172,33 @@ class StagedPageTable:
         self.release()
 
     @staticmethod
-    def layouts(csr: BatchCsr) -> dict[bool, np.ndarray]:
-        """The int32 layouts of PageTableRef: prefill (True: qo_indptr first) and decode."""
+    def layout(csr: BatchCsr) -> np.ndarray:
+        """The int32 layout of PageTableRef: kv_indptr, kv_last_page_len, kv_indices, then
+        qo_indptr (read by Prefill only: a Decode reads the same table without it)."""
         batch = len(csr.kv_indptr) - 1
         last = csr.kv_last_page_len
         last = np.ones(batch, np.int32) if last is None else np.asarray(last)[:batch]
-        decode = [int_array(csr.kv_indptr, "kv_indptr"), int_array(last, "kv_last_page_len"),
-                  int_array(csr.kv_indices, "kv_indices")]  # fmt: skip
-        prefill = [int_array(csr.qo_indptr, "qo_indptr"), *decode]
-        return {True: np.concatenate(prefill), False: np.concatenate(decode)}
+        parts = [int_array(csr.kv_indptr, "kv_indptr"), int_array(last, "kv_last_page_len"),
+                 int_array(csr.kv_indices, "kv_indices"),
+                 int_array(csr.qo_indptr, "qo_indptr")]  # fmt: skip
+        return np.concatenate(parts)
 
     @staticmethod
     def nbytes(csr: BatchCsr) -> int:
-        return sum(align(a.nbytes) for a in StagedPageTable.layouts(csr).values())
+        return align(StagedPageTable.layout(csr).nbytes)
 
     def _write(self, block: Block) -> None:
         arena = block.arena
         assert isinstance(arena, SharedMemoryArena)
-        batch = len(self.csr.kv_indptr) - 1
-        for prefill, layout in self.layouts(self.csr).items():
-            offset = block.carve(layout.nbytes)
-            arena.array(offset, layout.shape, np.int32)[...] = layout
-            self._refs[prefill] = pb.PageTableRef(
-                at=pb.RegionSlice(name=arena.name, offset=offset),
-                batch=batch,
-                num_pages=len(self.csr.kv_indices),
-            )
+        layout = self.layout(self.csr)
+        offset = block.carve(layout.nbytes)
+        arena.array(offset, layout.shape, np.int32)[...] = layout
+        ref = pb.PageTableRef(
+            at=pb.RegionSlice(name=arena.name, offset=offset),
+            batch=len(self.csr.kv_indptr) - 1,
+            num_pages=len(self.csr.kv_indices),
+        )
+        self._refs[True] = self._refs[False] = ref
 
 
 def int_array(values: Any, name: str) -> np.ndarray:

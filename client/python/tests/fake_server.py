@@ -171,8 +171,8 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
             return {f: np.asarray(getattr(request, f), dtype=np.int32) for f in fields}
         ref = request.page_table
         b, n = ref.batch, ref.num_pages
-        sizes = [("qo_indptr", b + 1)] * prefill + [
-            ("kv_indptr", b + 1), ("kv_last_page_len", b), ("kv_indices", n)]  # fmt: skip
+        sizes = [("kv_indptr", b + 1), ("kv_last_page_len", b), ("kv_indices", n)] + [
+            ("qo_indptr", b + 1)] * prefill  # fmt: skip
         flat = np.frombuffer(
             self._slice(request, ref.at, 4 * sum(k for _, k in sizes), context), dtype="<i4"
         ).copy()

@@ -277,7 +277,7 @@ def test_shm_prefill_and_decode_against_the_reference(fake_shm) -> None:
         table.free_all()
 
 
-def test_a_staged_table_serves_every_layer_and_both_layouts(fake_shm) -> None:
+def test_a_staged_table_serves_every_layer_and_both_ops(fake_shm) -> None:
     service, address = fake_shm
     rng = np.random.default_rng(2)
     with Client(address, transport="shm") as client:
@@ -295,9 +295,8 @@ def test_a_staged_table_serves_every_layer_and_both_layouts(fake_shm) -> None:
             np.testing.assert_array_equal(a, b)
         with pytest.raises(ValueError, match="released"):
             client.decode(0, q[:1], staged, pool="gqa")
-        layouts = StagedPageTable.layouts(csr)
-        assert layouts[True].tolist() == [0, 7, 0, 2, 3, *csr.kv_indices.tolist()]
-        assert layouts[False].tolist() == [0, 2, 3, *csr.kv_indices.tolist()]
+        layout = StagedPageTable.layout(csr)
+        assert layout.tolist() == [0, 2, 3, *csr.kv_indices.tolist(), 0, 7]
         table.free_all()
 
 
