@@ -8,6 +8,21 @@
 // so the context stays fixed) or Prefill (`prefill_tokens` new query tokens over the context)
 // back to back. --background_prefill_tokens adds one more client that runs long prefills the
 // whole time, to show what a long prefill does to decode latency.
+//
+// --transport picks how tensors travel (attention.proto, "Registered memory"): bytes in the
+// messages; shm, a POSIX shared-memory region per client holding q (and K/V), the page table and
+// the outputs, so only small messages cross gRPC; cuda, the tensors and outputs in device memory
+// shared through CUDA IPC (the page table in shared memory). The server must enable them
+// (ServerConfig.data_plane). --append makes the measured prefills append their K/V.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#if ATTN_LOADGEN_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -39,6 +54,8 @@ ABSL_FLAG(int, background_prefill_tokens, 0,
 ABSL_FLAG(double, seconds, 10, "Measured duration");
 ABSL_FLAG(double, warmup_seconds, 1, "Unmeasured calls first");
 ABSL_FLAG(std::string, json, "", "Also write the results here");
+ABSL_FLAG(std::string, transport, "bytes", "bytes, shm or cuda (registered memory)");
+ABSL_FLAG(bool, append, false, "Measured prefills append their K/V");
 
 namespace attn::bench {
 namespace {
@@ -46,14 +63,15 @@ namespace {
 namespace v1 = ::attnserve::v1;
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_RPC(call)                                                                     \
-  do {                                                                                      \
-    const grpc::Status _st = (call);                                                        \
-    if (!_st.ok()) {                                                                        \
-      std::fprintf(stderr, "%s failed: %s %s\n", #call, std::to_string(static_cast<int>(_st.error_code())).c_str(), \
-                   _st.error_message().c_str());                                            \
-      std::exit(1);                                                                         \
-    }                                                                                       \
+#define CHECK_RPC(call)                                                        \
+  do {                                                                         \
+    const grpc::Status _st = (call);                                           \
+    if (!_st.ok()) {                                                           \
+      std::fprintf(stderr, "%s failed: %s %s\n", #call,                        \
+                   std::to_string(static_cast<int>(_st.error_code())).c_str(), \
+                   _st.error_message().c_str());                               \
+      std::exit(1);                                                            \
+    }                                                                          \
   } while (0)
 
 std::unique_ptr<v1::AttentionService::Stub> Connect(const std::string& address) {
@@ -182,6 +200,143 @@ v1::DecodeRequest DecodeOf(const Geometry& g, const Sequences& s, std::mt19937& 
   return r;
 }
 
+// ---- Registered memory: one region per client for its tensors (and one for the page table with
+// --transport=cuda, which must be in shared memory).
+
+constexpr char kMagic[] = "attnserve.region";
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// A region's memory: POSIX shared memory mapped here, or a device allocation (CUDA IPC).
+class Arena {
+ public:
+  Arena(v1::AttentionService::Stub& stub, const std::string& name, size_t bytes, bool cuda)
+      : name_(name), bytes_(AlignUp(bytes + kAlign)), cuda_(cuda) {
+    std::mt19937_64 rng(std::random_device{}());
+    key_.resize(32);
+    for (char& c : key_) c = static_cast<char>(rng());
+    v1::RegisterRegionRequest req;
+    req.set_name(name);
+    req.set_size(static_cast<int64_t>(bytes_));
+    req.set_key(key_);
+    std::string header = std::string(kMagic, 16) + key_;
+    if (!cuda_) {
+      shm_name_ = absl::StrCat("/attnserve-loadgen-", getpid(), "-", name);
+      const int fd = shm_open(shm_name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+      if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes_)) != 0) Die("shm_open/ftruncate");
+      host_ = static_cast<char*>(mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+      close(fd);
+      if (host_ == MAP_FAILED) Die("mmap");
+      std::memcpy(host_, header.data(), header.size());
+      req.mutable_shared_memory()->set_shm_name(shm_name_);
+    } else {
+#if ATTN_LOADGEN_CUDA
+      if (cudaMalloc(&device_, bytes_) != cudaSuccess) Die("cudaMalloc");
+      cudaMemcpy(device_, header.data(), header.size(), cudaMemcpyHostToDevice);
+      cudaIpcMemHandle_t handle;
+      if (cudaIpcGetMemHandle(&handle, device_) != cudaSuccess) Die("cudaIpcGetMemHandle");
+      req.mutable_cuda_ipc()->set_handle(reinterpret_cast<const char*>(&handle), sizeof(handle));
+#else
+      Die("this attn_loadgen was built without CUDA");
+#endif
+    }
+    grpc::ClientContext ctx;
+    v1::RegisterRegionResponse resp;
+    CHECK_RPC(stub.RegisterRegion(&ctx, req, &resp));
+    if (!cuda_) shm_unlink(shm_name_.c_str());  // mapped by the server: the name can go
+    next_ = kAlign;                             // past the header
+  }
+  ~Arena() {
+    if (host_) munmap(host_, bytes_);
+#if ATTN_LOADGEN_CUDA
+    if (device_) cudaFree(device_);
+#endif
+  }
+
+  // A slice of `bytes`, filled with `data` (when given).
+  v1::RegionSlice Slice(size_t bytes, const std::string* data = nullptr) {
+    const size_t at = next_;
+    next_ += AlignUp(bytes);
+    if (next_ > bytes_) Die("arena too small");
+    if (data != nullptr) {
+      if (cuda_) {
+#if ATTN_LOADGEN_CUDA
+        cudaMemcpy(static_cast<char*>(device_) + at, data->data(), data->size(),
+                   cudaMemcpyHostToDevice);
+#endif
+      } else {
+        std::memcpy(host_ + at, data->data(), data->size());
+      }
+    }
+    v1::RegionSlice s;
+    s.set_name(name_);
+    s.set_offset(static_cast<int64_t>(at));
+    return s;
+  }
+
+ private:
+  [[noreturn]] static void Die(const char* what) {
+    std::fprintf(stderr, "attn_loadgen: %s failed: %s\n", what, std::strerror(errno));
+    std::exit(1);
+  }
+  std::string name_, shm_name_, key_;
+  size_t bytes_;
+  bool cuda_;
+  char* host_ = nullptr;
+  void* device_ = nullptr;
+  size_t next_ = 0;
+};
+
+// Bytes a request's tensors and outputs take.
+template <typename Request>
+size_t TensorBytes(const Request& r) {
+  size_t n = 0;
+  for (const v1::Tensor* t :
+       {&r.q(), &r.q_pe(), &r.k_new(), &r.v_new(), &r.ckv_new(), &r.kpe_new()}) {
+    n += AlignUp(t->data().size());
+  }
+  return n;
+}
+
+// Moves a request's tensors into `arena`, its page table into `tables`, and points its outputs
+// into `arena`.
+template <typename Request>
+void IntoRegions(Request* r, const Geometry& g, Arena& arena, Arena& tables, bool prefill) {
+  int64_t total_q = 0;
+  for (v1::Tensor* t : {r->mutable_q(), r->mutable_q_pe(), r->mutable_k_new(), r->mutable_v_new(),
+                        r->mutable_ckv_new(), r->mutable_kpe_new()}) {
+    if (t->data().empty()) continue;
+    const std::string data = t->data();
+    t->clear_data();
+    *t->mutable_region() = arena.Slice(data.size(), &data);
+  }
+  total_q = r->q().shape(0);
+  for (const char* field : {"q_pe", "k_new", "v_new", "ckv_new", "kpe_new"}) {
+    const auto* fd = r->GetDescriptor()->FindFieldByName(field);
+    auto* t = static_cast<v1::Tensor*>(r->GetReflection()->MutableMessage(r, fd));
+    if (t->shape_size() == 0 && !t->has_region()) r->GetReflection()->ClearField(r, fd);
+  }
+  // The page table: kv_indptr, kv_last_page_len, kv_indices, then qo_indptr (prefill).
+  std::vector<int32_t> table(r->kv_indptr().begin(), r->kv_indptr().end());
+  table.insert(table.end(), r->kv_last_page_len().begin(), r->kv_last_page_len().end());
+  table.insert(table.end(), r->kv_indices().begin(), r->kv_indices().end());
+  v1::PageTableRef* ref = r->mutable_page_table();
+  ref->set_batch(r->kv_indptr_size() - 1);
+  ref->set_num_pages(r->kv_indices_size());
+  if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
+    table.insert(table.end(), r->qo_indptr().begin(), r->qo_indptr().end());
+    r->clear_qo_indptr();
+  }
+  (void)prefill;
+  const std::string bytes(reinterpret_cast<const char*>(table.data()), table.size() * 4);
+  *ref->mutable_at() = tables.Slice(bytes.size(), &bytes);
+  r->clear_kv_indptr();
+  r->clear_kv_last_page_len();
+  r->clear_kv_indices();
+  const size_t out_bytes = static_cast<size_t>(total_q) * g.pool.num_qo_heads() * g.q_dim() * 2;
+  *r->mutable_output_to() = arena.Slice(out_bytes);
+}
+
 struct Sample {
   double client_us, queue_us, compute_us, total_us;
   int batch_requests;
@@ -238,6 +393,11 @@ int Main() {
     Fill(*stubs.back(), g, seqs.back(), bg ? background : seq_tokens, rng);
   }
 
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (transport != "bytes" && transport != "shm" && transport != "cuda") {
+    std::fprintf(stderr, "--transport must be bytes, shm or cuda\n");
+    return 2;
+  }
   std::atomic<bool> measuring{false}, stop{false};
   std::vector<Stats> stats(clients + (background > 0));
   std::vector<std::thread> threads;
@@ -247,12 +407,27 @@ int Main() {
       const bool bg = c == clients;
       v1::DecodeRequest decode = DecodeOf(g, seqs[c], local);
       std::vector<v1::PrefillRequest> prefills;
+      const bool append = absl::GetFlag(FLAGS_append);
       if (bg) {
         prefills.push_back(PrefillOf(g, seqs[c], 0, background, background, false, local));
       } else if (prefill) {
         for (int b = 0; b < batch; ++b) {
-          prefills.push_back(PrefillOf(g, seqs[c], b, seq_tokens, prefill_tokens, false, local));
+          prefills.push_back(PrefillOf(g, seqs[c], b, seq_tokens, prefill_tokens, append, local));
         }
+      }
+      std::unique_ptr<Arena> arena, tables;
+      if (transport != "bytes" && !bg) {
+        // Inputs, and an output as large as q for each request.
+        size_t bytes = 2 * TensorBytes(decode) + (size_t{1} << 20);
+        for (const auto& p : prefills) bytes += 2 * TensorBytes(p);
+        arena =
+            std::make_unique<Arena>(*stubs[c], absl::StrCat("c", c), bytes, transport == "cuda");
+        tables = transport == "cuda"
+                     ? std::make_unique<Arena>(*stubs[c], absl::StrCat("t", c), 16 << 20, false)
+                     : nullptr;
+        Arena& t = tables ? *tables : *arena;
+        IntoRegions(&decode, g, *arena, t, false);
+        for (auto& p : prefills) IntoRegions(&p, g, *arena, t, true);
       }
       size_t next = 0;
       while (!stop.load()) {
@@ -260,10 +435,9 @@ int Main() {
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
         v1::AttentionResponse resp;
         const auto start = Clock::now();
-        const grpc::Status st = prefills.empty()
-                                    ? stubs[c]->Decode(&ctx, decode, &resp)
-                                    : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()],
-                                                        &resp);
+        const grpc::Status st =
+            prefills.empty() ? stubs[c]->Decode(&ctx, decode, &resp)
+                             : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()], &resp);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
         if (!st.ok()) {
           std::fprintf(stderr, "call failed: %s\n", st.error_message().c_str());
@@ -325,30 +499,33 @@ int Main() {
               calls_per_s, tokens_per_s, merged);
   std::printf("  client us   p50 %.0f  p90 %.0f  p99 %.0f\n", Percentile(client, .5),
               Percentile(client, .9), Percentile(client, .99));
-  std::printf("  server us   queue p50 %.0f p99 %.0f | compute p50 %.0f p99 %.0f | total p50 %.0f "
-              "p99 %.0f | overhead (total - compute) p50 %.0f p99 %.0f\n",
-              Percentile(queue, .5), Percentile(queue, .99), Percentile(compute, .5),
-              Percentile(compute, .99), Percentile(total, .5), Percentile(total, .99),
-              Percentile(overhead, .5), Percentile(overhead, .99));
-  std::printf("  overhead us p50: queue %.0f | prepare %.0f | execute - compute %.0f | finish %.0f | "
-              "rest %.0f\n",
-              Percentile(queue, .5), Percentile(prepare, .5), Percentile(transfer, .5),
-              Percentile(finish, .5), Percentile(rest, .5));
+  std::printf(
+      "  server us   queue p50 %.0f p99 %.0f | compute p50 %.0f p99 %.0f | total p50 %.0f "
+      "p99 %.0f | overhead (total - compute) p50 %.0f p99 %.0f\n",
+      Percentile(queue, .5), Percentile(queue, .99), Percentile(compute, .5),
+      Percentile(compute, .99), Percentile(total, .5), Percentile(total, .99),
+      Percentile(overhead, .5), Percentile(overhead, .99));
+  std::printf(
+      "  overhead us p50: queue %.0f | prepare %.0f | execute - compute %.0f | finish %.0f | "
+      "rest %.0f\n",
+      Percentile(queue, .5), Percentile(prepare, .5), Percentile(transfer, .5),
+      Percentile(finish, .5), Percentile(rest, .5));
   std::printf("  end to end  client - compute p50 %.0f p99 %.0f\n", Percentile(end_to_end, .5),
               Percentile(end_to_end, .99));
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream f(path);
     f << "{\"clients\": " << clients << ", \"batch\": " << batch << ", \"context\": " << context
-      << ", \"op\": \"" << (prefill ? "prefill" : "decode") << "\", \"background_prefill\": "
-      << background << ", \"calls_per_s\": " << calls_per_s << ", \"tokens_per_s\": "
-      << tokens_per_s << ", \"merged_per_launch\": " << merged
-      << ", \"client_us\": {\"p50\": " << Percentile(client, .5) << ", \"p90\": "
-      << Percentile(client, .9) << ", \"p99\": " << Percentile(client, .99)
+      << ", \"op\": \"" << (prefill ? "prefill" : "decode")
+      << "\", \"background_prefill\": " << background << ", \"calls_per_s\": " << calls_per_s
+      << ", \"tokens_per_s\": " << tokens_per_s << ", \"merged_per_launch\": " << merged
+      << ", \"client_us\": {\"p50\": " << Percentile(client, .5)
+      << ", \"p90\": " << Percentile(client, .9) << ", \"p99\": " << Percentile(client, .99)
       << "}, \"server_overhead_us\": {\"p50\": " << Percentile(overhead, .5)
-      << ", \"p99\": " << Percentile(overhead, .99) << "}, \"end_to_end_overhead_us\": {\"p50\": "
-      << Percentile(end_to_end, .5) << ", \"p99\": " << Percentile(end_to_end, .99)
-      << "}, \"compute_us_p50\": "
-      << Percentile(compute, .5) << ", \"queue_us_p50\": " << Percentile(queue, .5)
+      << ", \"p99\": " << Percentile(overhead, .99)
+      << "}, \"end_to_end_overhead_us\": {\"p50\": " << Percentile(end_to_end, .5)
+      << ", \"p99\": " << Percentile(end_to_end, .99)
+      << "}, \"compute_us_p50\": " << Percentile(compute, .5)
+      << ", \"queue_us_p50\": " << Percentile(queue, .5)
       << ", \"stage_us_p50\": {\"prepare\": " << Percentile(prepare, .5)
       << ", \"execute_minus_compute\": " << Percentile(transfer, .5)
       << ", \"finish\": " << Percentile(finish, .5) << ", \"rest\": " << Percentile(rest, .5)

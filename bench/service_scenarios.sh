@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The service measurements of bench/RESULTS.md: batching efficiency, service overhead, and decode
-# latency beside a long prefill with and without separate CUDA streams. Starts the server itself.
-#   bench/service_scenarios.sh [--backend=cuda|cpu] [--seconds=N] [--context=N]
+# latency beside a long prefill with and without separate CUDA streams, and what each transport
+# (bytes, shared memory, CUDA IPC) costs beyond the kernel. Starts the server itself.
+#   bench/service_scenarios.sh [--backend=cuda|cpu] [--seconds=N] [--context=N] [--only=transports]
 # Needs attnserve and attn_loadgen on PATH; writes JSON to $OUT (default /tmp/service-bench).
 set -euo pipefail
-backend=cuda seconds=5 context=4096
+backend=cuda seconds=5 context=4096 only=""
 for a in "$@"; do
   case $a in
     --backend=*) backend=${a#*=} ;;
     --seconds=*) seconds=${a#*=} ;;
     --context=*) context=${a#*=} ;;
+    --only=*) only=${a#*=} ;;
     *) echo "unknown argument $a" >&2; exit 2 ;;
   esac
 done
@@ -19,7 +21,11 @@ config=$(mktemp)
 cat >"$config" <<EOC
 pools { name: "bench" kind: POOL_KIND_GQA num_layers: 1 page_size: 16 num_qo_heads: 32
         num_kv_heads: 8 head_dim: 128 num_pages: 40000 }
+data_plane { shared_memory: true cuda_ipc: true max_regions_per_session: 4
+             max_region_bytes_per_session: 4294967296 }
 EOC
+transports=(bytes shm)
+[ "$backend" = cuda ] && transports+=(cuda)
 
 server=""
 start_server() {  # extra flags...
@@ -43,12 +49,23 @@ load() {  # name, loadgen flags...
 }
 
 start_server
-load single_client_b64 --clients=1 --batch=64
-load eight_clients_b8 --clients=8 --batch=8
-load decode_b64_beside_prefill --clients=1 --batch=64 --background_prefill_tokens=8192
+if [ -z "$only" ]; then
+  load single_client_b64 --clients=1 --batch=64
+  load eight_clients_b8 --clients=8 --batch=8
+  load decode_b64_beside_prefill --clients=1 --batch=64 --background_prefill_tokens=8192
+fi
+# The issue-13 targets: client latency - kernel for decode batch 64 and 256, 8 x 8 merging, and
+# an 8192-token prefill on 1024 cached tokens with its K/V appended, over each transport.
+for t in "${transports[@]}"; do
+  load "transport_${t}_decode_b64" --clients=1 --batch=64 --transport="$t"
+  load "transport_${t}_decode_b256" --clients=1 --batch=256 --transport="$t"
+  load "transport_${t}_eight_clients_b8" --clients=8 --batch=8 --transport="$t"
+  load "transport_${t}_prefill_8192_on_1024" --clients=1 --batch=1 --op=prefill \
+    --context=1024 --prefill_tokens=8192 --append --transport="$t"
+done
 stop_server
 
-if [ "$backend" = cuda ]; then
+if [ "$backend" = cuda ] && [ -z "$only" ]; then
   start_server --cuda_single_stream
   load decode_b64_beside_prefill_one_stream --clients=1 --batch=64 --background_prefill_tokens=8192
   stop_server
@@ -71,4 +88,12 @@ for name in ("decode_b64_beside_prefill", "decode_b64_beside_prefill_one_stream"
     if name in r:
         c = r[name]["client_us"]
         print(f"{name}: decode latency p50 {c['p50']:.0f} us, p99 {c['p99']:.0f} us")
+print("transport scenario: client p50 us | kernel p50 us | client - kernel p50 / p99 us | "
+      "client / kernel | calls merged")
+for name in sorted(n for n in r if n.startswith("transport_")):
+    x = r[name]
+    e2e, k = x["end_to_end_overhead_us"], x["compute_us_p50"]
+    print(f"  {name[10:]}: {x['client_us']['p50']:.0f} | {k:.0f} | {e2e['p50']:.0f} / "
+          f"{e2e['p99']:.0f} | {x['client_us']['p50'] / max(k, 1):.2f} | "
+          f"{x['merged_per_launch']:.2f}")
 EOP
