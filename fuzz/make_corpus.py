@@ -222,6 +222,38 @@ def seeds() -> dict[str, bytes]:
         request("gqa_p1", [1, 1], [4, 2], decode=True, append=False, lse=True),
         MERGE,
     )
+
+    # Region references (the target registers region "r": a page table at 1024, bf16 values from
+    # 4096; fuzz/request_fuzzer.cc). Last, so the seeds above keep their bytes.
+    def in_region(r, *fields: str, offset: int = 4096):
+        for f in fields:
+            t = getattr(r, f)
+            t.region.name, t.region.offset = "r", offset
+            offset += (len(t.data) + 255) // 256 * 256
+            t.ClearField("data")
+        return r
+
+    add("region_decode_q", "gqa", in_region(request("gqa", [1], [3], decode=True), "q"))
+    add("region_prefill_all", "gqa",
+        in_region(request("gqa", [2], [4], lse=True), "q", "k_new", "v_new"))  # fmt: skip
+    mla = in_region(request("mla", [1], [2], decode=True), "q", "q_pe", "ckv_new", "kpe_new")
+    add("region_mla_decode", "mla", mla)
+    out_to = request("gqa", [1], [1], decode=True, append=False, lse=True)
+    out_to.output_to.name, out_to.output_to.offset = "r", 65536
+    out_to.lse_to.name, out_to.lse_to.offset = "r", 131072
+    add("region_outputs", "gqa", out_to)
+    for decode in (True, False):
+        table = request("gqa", [1], [1], decode=decode, append=False)
+        for f in ("kv_indptr", "kv_indices", "kv_last_page_len", "qo_indptr"):
+            if table.DESCRIPTOR.fields_by_name.get(f):
+                table.ClearField(f)
+        table.page_table.at.name, table.page_table.at.offset = "r", 1024
+        table.page_table.batch, table.page_table.num_pages = 1, 1
+        add(f"region_page_table_{'decode' if decode else 'prefill'}", "gqa", table)
+    unknown = request("gqa", [1], [3], decode=True)
+    unknown.q.region.name, unknown.q.region.offset = "elsewhere", 4096
+    unknown.q.ClearField("data")
+    out["region_unregistered"] = seed("gqa", unknown)
     return out
 
 

@@ -6,7 +6,10 @@
 //   bits 0-1: the pool (0 and 3: kPools[0], 1: kPools[1], 2: kPools[2])
 //   bit 2:    0 = attnserve.v1.PrefillRequest, 1 = DecodeRequest
 //   bit 3:    submit the call twice, to run in one launch (a merged batch of two calls)
-// Steps, as the service takes them: parse; validate against the pool (server/api/validate.h);
+// Steps, as the service takes them: parse with the request reader (server/rpc/request_reader.h:
+// tensors stay in the input bytes); validate against the pool (server/api/validate.h), resolving
+// region references against a shared-memory region "r" of kRegionBytes that the connection's
+// session registered (a page table at 1024, random bf16 values from 4096 on);
 // then, on a fresh Engine over a CPU backend (server/engine/engine.h) whose pools' pages
 // 0 .. num_pages - 4 belong to the connection's implicit session, the next two to another session
 // and the last is free: Engine::Admit as the session the request names (its implicit session when
@@ -22,16 +25,22 @@
 //
 // fuzz/make_corpus.py writes the seed corpus (fuzz/corpus/) in this format. ATTN_FUZZ_VERBOSE=1
 // prints what happened to each input (the error, or the launch), to check what seeds reach.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
@@ -41,6 +50,7 @@
 #include "server/backends/cpu_backend.h"
 #include "server/engine/engine.h"
 #include "server/engine/pool_geometry.h"
+#include "server/rpc/request_reader.h"
 
 namespace attn {
 namespace {
@@ -108,7 +118,11 @@ void Note(const char* what, const absl::Status& status = absl::OkStatus()) {
   std::abort();
 }
 
-// The pools' geometries, built once.
+// The region every World registers: a shared-memory object made once per process, with the
+// region header at 0 and random bf16 values (finite, small) from 4096 on.
+constexpr int64_t kRegionBytes = int64_t{1} << 20;
+
+// The pools' geometries and the shared-memory object, built once.
 struct Fixture {
   Fixture() {
     // Protobuf logs an ERROR line for every string field with invalid UTF-8 (the parse fails
@@ -119,8 +133,35 @@ struct Fixture {
       if (!g.ok()) Fail("bad fixture pool", g.status());
       pools.push_back(*g);
     }
+    region.shm_name = absl::StrCat("/attnserve-fuzz-", getpid());
+    region.size = kRegionBytes;
+    region.key = std::string(kRegionKeyBytes, 'k');
+    const int fd = shm_open(region.shm_name.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0600);
+    if (fd < 0 || ftruncate(fd, kRegionBytes) != 0) Fail("fixture shared memory");
+    void* p = mmap(nullptr, kRegionBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) Fail("fixture mmap");
+    char* bytes = static_cast<char*>(p);
+    std::memcpy(bytes, kRegionMagic.data(), kRegionMagic.size());
+    std::memcpy(bytes + kRegionMagic.size(), region.key.data(), region.key.size());
+    uint32_t x = 12345;
+    for (int64_t i = 4096; i + 1 < kRegionBytes; i += 2) {
+      x = x * 1664525u + 1013904223u;
+      const uint16_t bf16_bits = static_cast<uint16_t>(0x3c00 | ((x >> 16) & 0x7f)) |
+                                 static_cast<uint16_t>((x >> 31) << 15);  // +-[0.0078, 0.0156)
+      std::memcpy(bytes + i, &bf16_bits, 2);
+    }
+    // A page table at 1024 (PageTableRef batch 1, num_pages 1): kv_indptr {0, 1},
+    // kv_last_page_len {1}, kv_indices {0} (the owner's page 0), then qo_indptr {0, 1}.
+    const int32_t table[] = {0, 1, 1, 0, 0, 1};
+    std::memcpy(bytes + 1024, table, sizeof(table));
+    munmap(p, kRegionBytes);
+    // Worlds map it by name; the name goes when the process exits normally.
+    static std::string name = region.shm_name;
+    std::atexit([] { shm_unlink(name.c_str()); });
   }
   std::vector<PoolGeometry> pools;
+  RegionSpec region;
 };
 
 Fixture& GetFixture() {
@@ -129,7 +170,7 @@ Fixture& GetFixture() {
 }
 
 // The connection every request arrives on; its implicit session is the first session of a fresh
-// engine, so its handle is "<kEpoch>-1" (the corpus names it so).
+// engine (id 1; it has no handle, so requests reach it by naming no session).
 constexpr char kPeer[] = "fuzz-peer";
 constexpr SessionId kOwner = 1;
 constexpr int kOtherPages = 2;
@@ -143,13 +184,16 @@ class World {
     batching.max_queue_delay = absl::InfiniteDuration();
     batching.max_batch_requests = calls_per_launch;
     batching.max_batch_tokens = std::numeric_limits<int>::max();
+    DataPlaneOptions data_plane;
+    data_plane.shared_memory = true;
     absl::StatusOr<std::unique_ptr<Engine>> engine =
         Engine::Create(CreateCpuBackend(1), GetFixture().pools, batching, SessionOptions{}, kEpoch,
-                       nullptr, nullptr);
+                       nullptr, nullptr, data_plane);
     if (!engine.ok()) Fail("Engine::Create", engine.status());
     engine_ = *std::move(engine);
     const Caller owner{"", kPeer};
     if (!engine_->RenewLease(owner).ok()) Fail("fixture session");  // opens it first: kOwner
+    if (!engine_->RegisterRegion(owner, "r", GetFixture().region).ok()) Fail("fixture region");
     const Caller other{engine_->OpenSession(absl::ZeroDuration(), 0).handle, ""};
     for (const PoolGeometry& g : GetFixture().pools) {
       // Allocation hands out 0, 1, 2, ... first: the owner gets 0 .. n - 4.
@@ -199,11 +243,18 @@ int64_t Work(const AttentionCall& call, const PoolGeometry& g) {
   return work;
 }
 
-absl::StatusOr<AttentionCall> Validate(const v1::PrefillRequest& req, const PoolGeometry& g) {
-  return ValidatePrefill(req, g);
+absl::StatusOr<ValidatedCall> Validate(const v1::PrefillRequest& req, const InlineTensors& data,
+                                       const PoolGeometry& g, const RegionResolver& regions) {
+  return ValidatePrefill(req, data, g, regions);
 }
-absl::StatusOr<AttentionCall> Validate(const v1::DecodeRequest& req, const PoolGeometry& g) {
-  return ValidateDecode(req, g);
+absl::StatusOr<ValidatedCall> Validate(const v1::DecodeRequest& req, const InlineTensors& data,
+                                       const PoolGeometry& g, const RegionResolver& regions) {
+  return ValidateDecode(req, data, g, regions);
+}
+
+// Validation errors: INVALID_ARGUMENT, or for region references NOT_FOUND (not registered).
+bool ValidationError(const absl::Status& st) {
+  return absl::IsInvalidArgument(st) || absl::IsNotFound(st);
 }
 
 bool AdmissionError(const absl::Status& st) {
@@ -211,24 +262,44 @@ bool AdmissionError(const absl::Status& st) {
 }
 
 template <typename Request>
-void RunOne(const Request& req, int pool_index, bool merge) {
+void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool merge) {
   const PoolGeometry& g = GetFixture().pools[pool_index];
-  absl::StatusOr<AttentionCall> call = Validate(req, g);
-  if (!call.ok()) {
-    if (!absl::IsInvalidArgument(call.status())) Fail("validation error code", call.status());
-    Note("invalid:", call.status());
+  // Validation resolves regions, so the world (its engine and region) comes first; an invalid
+  // request must leave it as it was.
+  World probe(1);
+  const Caller caller{req.session(), kPeer};
+  Engine& probe_engine = probe.engine();
+  const RegionResolver probe_regions = [&](absl::Span<const SliceRef> slices) {
+    return probe_engine.ResolveRegions(caller, slices);
+  };
+  absl::StatusOr<ValidatedCall> valid = Validate(req, data, g, probe_regions);
+  if (!valid.ok()) {
+    if (!ValidationError(valid.status()) && !absl::IsFailedPrecondition(valid.status())) {
+      Fail("validation error code", valid.status());
+    }
+    Note("invalid:", valid.status());
+    probe.CheckUntouched();
     return;
   }
+  const AttentionCall* call = &valid->call;
   // The same call twice: an appending call holds append locks on its pages, so its copy must be
   // refused; a call that only reads is admitted twice.
   const bool twice = merge && call->append_pages.empty();
-  World world(twice ? 2 : 1);
+  std::unique_ptr<World> merged_world = twice ? std::make_unique<World>(2) : nullptr;
+  World& world = twice ? *merged_world : probe;
   Engine& engine = world.engine();
   Engine::Pool& pool = **engine.FindPool(g.name);
-  const Caller caller{req.session(), kPeer};
+  const RegionResolver regions = [&](absl::Span<const SliceRef> slices) {
+    return engine.ResolveRegions(caller, slices);
+  };
+  if (twice) {  // validated again against the world that runs it
+    valid = Validate(req, data, g, regions);
+    if (!valid.ok()) Fail("validation changed its mind", valid.status());
+    call = &valid->call;
+  }
 
   std::vector<Admission> admitted;
-  absl::StatusOr<Admission> first = engine.Admit(pool, caller, *call);
+  absl::StatusOr<Admission> first = engine.Admit(pool, caller, *call, std::move(valid->regions));
   if (!first.ok()) {
     if (!AdmissionError(first.status())) Fail("admission error code", first.status());
     Note("not admitted:", first.status());
@@ -237,7 +308,10 @@ void RunOne(const Request& req, int pool_index, bool merge) {
   }
   admitted.push_back(*std::move(first));
   if (merge) {
-    absl::StatusOr<Admission> second = engine.Admit(pool, caller, *call);
+    absl::StatusOr<ValidatedCall> again = Validate(req, data, g, regions);
+    if (!again.ok()) Fail("validation changed its mind", again.status());
+    absl::StatusOr<Admission> second =
+        engine.Admit(pool, caller, again->call, std::move(again->regions));
     if (second.ok() != twice) Fail("second admission", second.status());
     if (second.ok()) {
       admitted.push_back(*std::move(second));
@@ -259,13 +333,10 @@ void RunOne(const Request& req, int pool_index, bool merge) {
     absl::Notification done;
     absl::Status status;
     CallReport report;
-    std::string out, lse;
   };
   std::vector<Outcome> outcomes(n);
   for (int i = 0; i < n; ++i) {
     Outcome& o = outcomes[i];
-    admitted[i].call().out = &o.out;
-    admitted[i].call().lse = &o.lse;
     engine.Submit(std::move(admitted[i]), absl::InfiniteFuture(), nullptr,
                   [&o](const absl::Status& st, const CallReport& report) {
                     o.status = st;
@@ -279,10 +350,12 @@ void RunOne(const Request& req, int pool_index, bool merge) {
     o.done.WaitForNotification();
     if (!o.status.ok()) Fail("Run", o.status);
     if (o.report.batch_requests != n) Fail("the calls did not share one launch");
-    if (o.out.size() != tokens * rows.out.elements() * sizeof(bf16)) Fail("output size");
-    if (o.lse.size() != (call->return_lse ? tokens * rows.lse * sizeof(float) : 0)) {
-      Fail("lse size");
-    }
+    // Outputs not written into the region come back for the response.
+    const size_t out_bytes = req.has_output_to() ? 0 : tokens * rows.out.elements() * sizeof(bf16);
+    const size_t lse_bytes =
+        call->return_lse && !req.has_lse_to() ? tokens * rows.lse * sizeof(float) : 0;
+    if (o.report.out.size != out_bytes) Fail("output size");
+    if (o.report.lse.size != lse_bytes) Fail("lse size");
   }
   Note(n == 2 ? "ran twice in one launch" : "ran");
   world.CheckUntouched();
@@ -299,20 +372,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int pool = (selector & 3) % kNumPools;
   const bool decode = selector & 4;
   const bool merge = selector & 8;
+  // Two pieces, as a message may arrive in slices: the reader must not care where they split.
+  const absl::string_view bytes(reinterpret_cast<const char*>(data + 1), size - 1);
+  const size_t cut = bytes.size() / 3;
+  const absl::string_view pieces[] = {bytes.substr(0, cut), bytes.substr(cut)};
+  InlineTensors tensors;
   if (decode) {
     v1::DecodeRequest req;
-    if (!req.ParseFromArray(data + 1, static_cast<int>(size - 1))) {
+    if (!ReadAttentionRequest(pieces, &req, &tensors).ok()) {
       Note("not a DecodeRequest");
       return 0;
     }
-    RunOne(req, pool, merge);
+    RunOne(req, tensors, pool, merge);
   } else {
     v1::PrefillRequest req;
-    if (!req.ParseFromArray(data + 1, static_cast<int>(size - 1))) {
+    if (!ReadAttentionRequest(pieces, &req, &tensors).ok()) {
       Note("not a PrefillRequest");
       return 0;
     }
-    RunOne(req, pool, merge);
+    RunOne(req, tensors, pool, merge);
   }
   return 0;
 }
