@@ -18,6 +18,7 @@ from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import server_config_pb2 as config_pb
 
+BACKEND = os.environ.get("ATTNSERVE_BACKEND", "cpu")
 POOL = "p"
 H, H_KV, D = 4, 1, 64
 Code = grpc.StatusCode
@@ -29,6 +30,7 @@ def config(enabled: bool = True) -> config_pb.ServerConfig:
     c.pools.add(name=POOL, kind=pb.POOL_KIND_GQA, num_layers=1, page_size=16, num_qo_heads=H,
                 num_kv_heads=H_KV, head_dim=D, num_pages=64)  # fmt: skip
     c.data_plane.shared_memory = enabled
+    c.data_plane.cuda_ipc = enabled and BACKEND == "cuda"
     return c
 
 
@@ -249,3 +251,25 @@ def test_a_truncated_region_fails_its_calls_and_the_server_lives(plane, shm) -> 
     out = bf16_to_float(np.frombuffer(reply.output.data, np.uint16).reshape(1, H, D))
     np.testing.assert_array_equal(out, np.full((1, H, D), 0.5, np.float32))
     s.UnregisterRegion(pb.UnregisterRegionRequest(name="r", session=session), timeout=10)
+
+
+def test_cuda_ipc_handles_that_do_not_open_are_refused(plane) -> None:
+    s = stub(plane.address)
+    session = s.OpenSession(pb.OpenSessionRequest(), timeout=10).session
+    info = s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).data_plane
+    assert info.cuda_ipc == (BACKEND == "cuda")
+
+    def register(handle: bytes) -> Code:
+        request = pb.RegisterRegionRequest(name="g", size=4096, key=bytes(32), session=session)
+        request.cuda_ipc.handle = handle
+        return code_of(lambda: s.RegisterRegion(request, timeout=10))
+
+    if BACKEND != "cuda":
+        assert register(secrets.token_bytes(64)) == Code.UNIMPLEMENTED
+        return
+    assert register(secrets.token_bytes(64)) == Code.FAILED_PRECONDITION  # opens nothing
+    assert register(b"short") == Code.INVALID_ARGUMENT
+    # The server still serves (a failed open is not a sticky CUDA error).
+    assert s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).backend == "cuda"
+    session_, pages = open_with_page(s)
+    assert pages
