@@ -1,15 +1,19 @@
 #include "server/rpc/service.h"
 
+#include <malloc.h>
+
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpc/grpc_security_constants.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/proto_buffer_writer.h"
 #include "server/api/pool_config.h"
 #include "server/api/validate.h"
+#include "server/rpc/call_log.h"
 #include "server/rpc/grpc_status.h"
 
 namespace attn {
@@ -22,10 +26,29 @@ absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
-// The session a request names, or (none named) its connection.
-Caller CallerOf(grpc::CallbackServerContext* ctx, const std::string& session) {
-  return Caller{session, session.empty() ? ctx->peer() : std::string()};
+// The principal of a call on a connection with a verified client certificate (mutual TLS):
+// "cert:" and the certificate's subject. Empty without one.
+std::string CertificatePrincipal(const grpc::CallbackServerContext* ctx) {
+  const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
+  for (const grpc::string_ref& subject :
+       auth->FindPropertyValues(GRPC_X509_SUBJECT_PROPERTY_NAME)) {
+    return absl::StrCat("cert:", absl::string_view(subject.data(), subject.size()));
+  }
+  return "";
 }
+
+// The caller's x-request-id (empty when none), at most 128 bytes of it: echoed in the response
+// and written into the log line of a failed call.
+std::string RequestId(const grpc::CallbackServerContext* ctx) {
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find("x-request-id");
+  if (it == metadata.end()) return "";
+  return std::string(it->second.data(), std::min<size_t>(it->second.size(), 128));
+}
+
+// Calls at least this large give their memory back to the system when they end (Call::OnDone).
+constexpr size_t kLargeCallBytes = size_t{16} << 20;
 
 constexpr char kGetServerInfo[] = "GetServerInfo";
 constexpr char kAllocatePages[] = "AllocatePages";
@@ -45,10 +68,16 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
  public:
   Call(Metrics* metrics, const char* method, grpc::CallbackServerContext* ctx,
        grpc::ByteBuffer* reply)
-      : ctx(ctx), method(method), metrics_(metrics), reply_(reply) {}
+      : ctx(ctx), method(method), request_id(RequestId(ctx)), metrics_(metrics), reply_(reply) {
+    if (!request_id.empty()) ctx->AddInitialMetadata("x-request-id", request_id);
+  }
+
+  // The caller of the session the request names.
+  Caller CallerOf(const std::string& session) const { return Caller{session, principal}; }
 
   void Complete(const absl::Status& status) {
     metrics_->OnRpc(method, status, absl::Now() - arrived);
+    if (!status.ok()) LogFailedCall(method, status, request_id, ctx->peer());
     metrics_->OnRpcFinished();
     if (status.ok()) {
       bool own_buffer = false;
@@ -62,10 +91,19 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
     Finish(ToGrpcStatus(status));
   }
 
-  void OnDone() override { delete this; }
+  // A large call's request and response are freed with the reactor; their memory goes back to
+  // the system then, not to the allocator's free lists (where gRPC's threads' arenas kept
+  // tens of MiB per large call for good).
+  void OnDone() override {
+    const bool large = request.ByteSizeLong() + response.ByteSizeLong() > kLargeCallBytes;
+    delete this;
+    if (large) malloc_trim(0);
+  }
 
   grpc::CallbackServerContext* const ctx;
   const char* const method;
+  const std::string request_id;
+  Principal principal;  // set once the call is authenticated
   const absl::Time arrived = absl::Now();
   Request request;
   Response response;
@@ -92,9 +130,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
     call->Complete(absl::InvalidArgumentError(absl::StrCat(
         "the request is not a valid ", Request::descriptor()->full_name(), " (", in->Length(),
         " bytes): truncated or corrupt protobuf")));
-  } else if (absl::Status st = Authorize(ctx, method); !st.ok()) {
-    call->Complete(st);
+  } else if (absl::StatusOr<Principal> who = Authenticate(ctx, method); !who.ok()) {
+    call->Complete(who.status());
   } else {
+    call->principal = *std::move(who);
     (this->*handle)(*call);
   }
   return call;
@@ -143,22 +182,23 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(grpc::CallbackServe
   return Serve(kCloseSession, ctx, in, out, &AttentionServiceImpl::HandleCloseSession);
 }
 
-absl::Status AttentionServiceImpl::Authorize(grpc::CallbackServerContext* ctx,
-                                             const char* method) const {
-  if (!auth_->enabled()) return absl::OkStatus();
+absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(grpc::CallbackServerContext* ctx,
+                                                             const char* method) const {
+  // Without tokens, a verified client certificate names the caller; with neither, every caller
+  // is the same anonymous principal (there is no one to tell apart).
+  if (!auth_->enabled()) return Principal{CertificatePrincipal(ctx), false};
   const auto& metadata = ctx->client_metadata();
   auto it = metadata.find("authorization");
   const absl::string_view token =
       it == metadata.end() ? absl::string_view()
                            : absl::string_view(it->second.data(), it->second.size());
-  return auth_->Check(token, method);
+  return auth_->Authenticate(token, method);
 }
 
 void AttentionServiceImpl::HandleGetServerInfo(
     Call<v1::GetServerInfoRequest, v1::GetServerInfoResponse>& call) {
   if (!call.request.session().empty()) {
-    if (absl::Status st = engine_->RenewLease(CallerOf(call.ctx, call.request.session()));
-        !st.ok()) {
+    if (absl::Status st = engine_->RenewLease(call.CallerOf(call.request.session())); !st.ok()) {
       return call.Complete(st);
     }
   }
@@ -182,7 +222,7 @@ void AttentionServiceImpl::HandleAllocatePages(
     Call<v1::AllocatePagesRequest, v1::AllocatePagesResponse>& call) {
   const v1::AllocatePagesRequest& req = call.request;
   absl::StatusOr<std::vector<int32_t>> ids =
-      engine_->AllocatePages(req.pool(), CallerOf(call.ctx, req.session()), req.num_pages());
+      engine_->AllocatePages(req.pool(), call.CallerOf(req.session()), req.num_pages());
   if (!ids.ok()) return call.Complete(ids.status());
   call.response.mutable_page_ids()->Assign(ids->begin(), ids->end());
   call.Complete(absl::OkStatus());
@@ -192,7 +232,7 @@ void AttentionServiceImpl::HandleFreePages(
     Call<v1::FreePagesRequest, v1::FreePagesResponse>& call) {
   const v1::FreePagesRequest& req = call.request;
   absl::StatusOr<int> free =
-      engine_->FreePages(req.pool(), CallerOf(call.ctx, req.session()), req.page_ids());
+      engine_->FreePages(req.pool(), call.CallerOf(req.session()), req.page_ids());
   if (!free.ok()) return call.Complete(free.status());
   call.response.set_free_pages(*free);
   call.Complete(absl::OkStatus());
@@ -206,7 +246,10 @@ void AttentionServiceImpl::HandleOpenSession(
         absl::StrCat("lease_ms = ", req.lease_ms(), " and max_pages = ", req.max_pages(),
                      " must not be negative (0 takes the server's default)")));
   }
-  const OpenedSession s = engine_->OpenSession(absl::Milliseconds(req.lease_ms()), req.max_pages());
+  absl::StatusOr<OpenedSession> opened =
+      engine_->OpenSession(absl::Milliseconds(req.lease_ms()), req.max_pages(), call.principal);
+  if (!opened.ok()) return call.Complete(opened.status());
+  const OpenedSession& s = *opened;
   call.response.set_session(s.handle);
   call.response.set_epoch(engine_->epoch());
   call.response.set_lease_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(s.lease)));
@@ -216,7 +259,7 @@ void AttentionServiceImpl::HandleOpenSession(
 
 void AttentionServiceImpl::HandleCloseSession(
     Call<v1::CloseSessionRequest, v1::CloseSessionResponse>& call) {
-  absl::StatusOr<int> freed = engine_->CloseSession(call.request.session());
+  absl::StatusOr<int> freed = engine_->CloseSession(call.request.session(), call.principal);
   if (!freed.ok()) return call.Complete(freed.status());
   call.response.set_freed_pages(*freed);
   call.Complete(absl::OkStatus());
@@ -237,7 +280,7 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
   }
   if (!attention.ok()) return call.Complete(attention.status());
   absl::StatusOr<Admission> admitted =
-      engine_->Admit(**pool, CallerOf(call.ctx, req.session()), *std::move(attention));
+      engine_->Admit(**pool, call.CallerOf(req.session()), *std::move(attention));
   if (!admitted.ok()) return call.Complete(admitted.status());
 
   // The backend writes the outputs straight into the response.

@@ -76,8 +76,11 @@ class AttentionServiceImpl final : public RawAttentionService {
   template <typename Request>
   void HandleAttention(Call<Request, v1::AttentionResponse>& call);
 
-  // OK when the call's bearer token may call `method` (always, without configured tokens).
-  absl::Status Authorize(grpc::CallbackServerContext* ctx, const char* method) const;
+  // Who makes the call: the principal of its bearer token (UNAUTHENTICATED / PERMISSION_DENIED
+  // when it may not call `method`), or without tokens that of its client certificate, or
+  // anonymous.
+  absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx,
+                                         const char* method) const;
 
   Engine* const engine_;
   Metrics* const metrics_;
