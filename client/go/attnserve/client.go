@@ -25,6 +25,7 @@ type Client struct {
 	addr    string
 	conn    *grpc.ClientConn // nil when the connection belongs to the caller (NewFromConn)
 	session string           // WithSession
+	auto    *autoSession     // the session opened for a client without one (session.go)
 	stub    pb.AttentionServiceClient
 	opts    options
 	calls   []grpc.CallOption
@@ -129,7 +130,7 @@ func NewFromConn(conn grpc.ClientConnInterface, opts ...Option) *Client {
 	if o.token != "" {
 		calls = append(calls, grpc.PerRPCCredentials(bearerToken(o.token)))
 	}
-	return &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls}
+	return &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls, auto: &autoSession{}}
 }
 
 // Close closes the connection Dial opened (a no-op for NewFromConn and WithSession clients).
@@ -205,8 +206,12 @@ func (c *Client) Pool(ctx context.Context, name string) (PoolInfo, error) {
 // owned by the caller until FreePages. A full pool fails with ResourceExhausted (not retried).
 func (c *Client) AllocatePages(ctx context.Context, pool string, numPages int) ([]int32, error) {
 	var resp *pb.AllocatePagesResponse
-	req := &pb.AllocatePagesRequest{Pool: pool, NumPages: int32(numPages), Session: c.session}
-	err := c.invoke(ctx, "AllocatePages", func(ctx context.Context, opts []grpc.CallOption) (err error) {
+	session, err := c.sessionFor(ctx)
+	if err != nil {
+		return nil, err
+	}
+	req := &pb.AllocatePagesRequest{Pool: pool, NumPages: int32(numPages), Session: session}
+	err = c.invoke(ctx, "AllocatePages", func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		resp, err = c.stub.AllocatePages(ctx, req, opts...)
 		return err
 	})
@@ -224,8 +229,12 @@ func (c *Client) AllocatePages(ctx context.Context, pool string, numPages int) (
 // after the call.
 func (c *Client) FreePages(ctx context.Context, pool string, pageIDs []int32) (int, error) {
 	var resp *pb.FreePagesResponse
-	req := &pb.FreePagesRequest{Pool: pool, PageIds: pageIDs, Session: c.session}
-	err := c.invoke(ctx, "FreePages", func(ctx context.Context, opts []grpc.CallOption) (err error) {
+	session, err := c.sessionFor(ctx)
+	if err != nil {
+		return 0, err
+	}
+	req := &pb.FreePagesRequest{Pool: pool, PageIds: pageIDs, Session: session}
+	err = c.invoke(ctx, "FreePages", func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		resp, err = c.stub.FreePages(ctx, req, opts...)
 		return err
 	})
@@ -238,27 +247,23 @@ func (c *Client) FreePages(ctx context.Context, pool string, pageIDs []int32) (i
 // Prefill appends the new K/V (when given), then runs causal paged attention (bottom-right
 // aligned mask) for every query row; req.Table.QOIndptr splits the rows into sequences.
 func (c *Client) Prefill(ctx context.Context, req *AttentionRequest) (*AttentionResult, error) {
-	p := req.PrefillProto()
-	if p.Session == "" {
-		p.Session = c.session
-	}
-	return c.PrefillProto(ctx, p)
+	return c.PrefillProto(ctx, req.PrefillProto())
 }
 
 // Decode runs one query row per sequence (req.Q [batch, ...]) over all of its tokens, after
 // appending its K/V (when given) at position kv_len - 1.
 func (c *Client) Decode(ctx context.Context, req *AttentionRequest) (*AttentionResult, error) {
-	p := req.DecodeProto()
-	if p.Session == "" {
-		p.Session = c.session
-	}
-	return c.DecodeProto(ctx, p)
+	return c.DecodeProto(ctx, req.DecodeProto())
 }
 
 // PrefillProto sends a ready-made wire request as is (with the client's deadline, retries and
-// error conversion), e.g. to send another dtype or to test the server's validation.
+// error conversion), e.g. to send another dtype or to test the server's validation. A request
+// naming no session gets the client's.
 func (c *Client) PrefillProto(ctx context.Context, req *pb.PrefillRequest) (*AttentionResult, error) {
 	var resp *pb.AttentionResponse
+	if err := c.nameSession(ctx, &req.Session); err != nil {
+		return nil, err
+	}
 	err := c.invoke(ctx, "Prefill", func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		resp, err = c.stub.Prefill(ctx, req, opts...)
 		return err
@@ -269,9 +274,13 @@ func (c *Client) PrefillProto(ctx context.Context, req *pb.PrefillRequest) (*Att
 	return decodeResult("Prefill", resp)
 }
 
-// DecodeProto sends a ready-made wire DecodeRequest as is.
+// DecodeProto sends a ready-made wire DecodeRequest as is (naming the client's session when it
+// names none).
 func (c *Client) DecodeProto(ctx context.Context, req *pb.DecodeRequest) (*AttentionResult, error) {
 	var resp *pb.AttentionResponse
+	if err := c.nameSession(ctx, &req.Session); err != nil {
+		return nil, err
+	}
 	err := c.invoke(ctx, "Decode", func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		resp, err = c.stub.Decode(ctx, req, opts...)
 		return err

@@ -18,6 +18,7 @@ from attnserve.calls import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT_S,
     FREE_PAGES,
+    NEEDS_SESSION,
     OPEN_SESSION,
     PREFILL,
     SERVER_INFO,
@@ -77,7 +78,7 @@ class AsyncClient:
 
     @property
     def session(self) -> str | None:
-        """The session handle every call names, or None (the connection's implicit session)."""
+        """The session every call names; None until the first call that needs one opens it."""
         return self._session
 
     async def open_session(
@@ -209,12 +210,20 @@ class AsyncClient:
         """Sends a ready-made DecodeRequest as is."""
         return await self._invoke(DECODE, request, timeout)
 
+    async def _session_for(self, rpc: Rpc[T]) -> str | None:
+        """Client._session_for with an asyncio lock."""
+        if self._session is None and rpc.name in NEEDS_SESSION:
+            async with self.__dict__.setdefault("_open_lock", asyncio.Lock()):
+                if self._session is None:
+                    await self.open_session()
+        return self._session
+
     async def _invoke(self, rpc: Rpc[T], request: object, timeout: float | None) -> T:
         """Client._invoke with asyncio waits."""
         budget = self._timeout if timeout is None else timeout
         attempts = Attempts(self._retry, rpc.name, rpc.idempotent, budget)
         method = getattr(self._stub, rpc.name)
-        request = with_session(request, self._session)
+        request = with_session(request, await self._session_for(rpc))
         while True:
             try:
                 response = await method(

@@ -130,9 +130,17 @@ def open_session_request(lease_s: float | None, max_pages: int | None) -> pb.Ope
     )
 
 
+# Methods whose calls must name a session: the server has no implicit sessions (attention.proto,
+# "Sessions and leases"), so a client without one opens one on its first such call.
+NEEDS_SESSION = frozenset(
+    {"AllocatePages", "FreePages", "Prefill", "Decode", "RegisterRegion", "UnregisterRegion",
+     "ListRegions"}
+)  # fmt: skip
+
+
 def with_session(request: Any, session: str | None) -> Any:
     """Names the client's session in a request that names none (every request type has the
-    field; the server then uses that session instead of the connection's implicit one)."""
+    field)."""
     if session and not request.session:
         request.session = session
     return request

@@ -8,6 +8,7 @@ describes. Server errors surface as AttnError subclasses (attnserve.errors).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -20,6 +21,7 @@ from attnserve.calls import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT_S,
     FREE_PAGES,
+    NEEDS_SESSION,
     OPEN_SESSION,
     PREFILL,
     SERVER_INFO,
@@ -83,7 +85,7 @@ class Client:
 
     @property
     def session(self) -> str | None:
-        """The session handle every call names, or None (the connection's implicit session)."""
+        """The session every call names; None until the first call that needs one opens it."""
         return self._session
 
     def open_session(
@@ -109,6 +111,15 @@ class Client:
         freed = self._invoke(CLOSE_SESSION, request, timeout)
         self._session = None
         return freed
+
+    def _session_for(self, rpc: Rpc[T]) -> str | None:
+        """The session a call of rpc names: the client's, opened (server defaults) by the first
+        call that needs one. Concurrent first calls open one session between them."""
+        if self._session is None and rpc.name in NEEDS_SESSION:
+            with self.__dict__.setdefault("_open_lock", threading.Lock()):
+                if self._session is None:
+                    self.open_session()
+        return self._session
 
     def close(self) -> None:
         self._channel.close()
@@ -233,7 +244,7 @@ class Client:
         budget = self._timeout if timeout is None else timeout
         attempts = Attempts(self._retry, rpc.name, rpc.idempotent, budget)
         method = getattr(self._stub, rpc.name)
-        request = with_session(request, self._session)
+        request = with_session(request, self._session_for(rpc))
         while True:
             try:
                 response = method(request, timeout=attempts.remaining(), metadata=self._metadata)

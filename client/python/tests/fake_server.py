@@ -62,6 +62,13 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
     def GetServerInfo(self, request, context):  # noqa: N802 - gRPC method name
         return self._serve("GetServerInfo", self._server_info, request, context)
 
+    def OpenSession(self, request, context):  # noqa: N802
+        # The real server binds pages to sessions; the fake hands out handles and keeps none.
+        with self._lock:
+            self.calls["OpenSession"] += 1
+            handle = f"{0:016x}-{self.calls['OpenSession']:032x}"
+        return pb.OpenSessionResponse(session=handle, lease_ms=300_000)
+
     def AllocatePages(self, request, context):  # noqa: N802
         return self._serve("AllocatePages", self._allocate, request, context)
 
