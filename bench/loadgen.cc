@@ -46,14 +46,15 @@ namespace {
 namespace v1 = ::attnserve::v1;
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_RPC(call)                                                                     \
-  do {                                                                                      \
-    const grpc::Status _st = (call);                                                        \
-    if (!_st.ok()) {                                                                        \
-      std::fprintf(stderr, "%s failed: %s %s\n", #call, std::to_string(static_cast<int>(_st.error_code())).c_str(), \
-                   _st.error_message().c_str());                                            \
-      std::exit(1);                                                                         \
-    }                                                                                       \
+#define CHECK_RPC(call)                                                        \
+  do {                                                                         \
+    const grpc::Status _st = (call);                                           \
+    if (!_st.ok()) {                                                           \
+      std::fprintf(stderr, "%s failed: %s %s\n", #call,                        \
+                   std::to_string(static_cast<int>(_st.error_code())).c_str(), \
+                   _st.error_message().c_str());                               \
+      std::exit(1);                                                            \
+    }                                                                          \
   } while (0)
 
 std::unique_ptr<v1::AttentionService::Stub> Connect(const std::string& address) {
@@ -91,20 +92,33 @@ struct Geometry {
   int q_dim() const { return mla() ? 512 : pool.head_dim(); }
 };
 
-// Sequences of one client: their pages and page table.
+// Sequences of one client: their session, pages and page table.
 struct Sequences {
+  std::string session;
   std::vector<int32_t> kv_indptr{0}, kv_indices, kv_last_page_len;
   std::vector<int32_t> all_pages;
 };
 
-Sequences Allocate(v1::AttentionService::Stub& stub, const Geometry& g, int count, int tokens) {
+// One session for every client: the load of one scheduler over several connections, so that
+// Timings.batch_requests (which counts the caller's own session's calls) shows the merging.
+std::string OpenSession(v1::AttentionService::Stub& stub) {
+  grpc::ClientContext ctx;
+  v1::OpenSessionResponse resp;
+  CHECK_RPC(stub.OpenSession(&ctx, v1::OpenSessionRequest(), &resp));
+  return resp.session();
+}
+
+Sequences Allocate(v1::AttentionService::Stub& stub, const Geometry& g, const std::string& session,
+                   int count, int tokens) {
   Sequences s;
+  s.session = session;
   const int ps = g.pool.page_size();
   const int pages = (tokens + ps - 1) / ps;
   for (int b = 0; b < count; ++b) {
     grpc::ClientContext ctx;
     v1::AllocatePagesRequest req;
     req.set_pool(g.pool.name());
+    req.set_session(session);
     req.set_num_pages(pages);
     v1::AllocatePagesResponse resp;
     CHECK_RPC(stub.AllocatePages(&ctx, req, &resp));
@@ -120,6 +134,7 @@ void Free(v1::AttentionService::Stub& stub, const Geometry& g, const Sequences& 
   grpc::ClientContext ctx;
   v1::FreePagesRequest req;
   req.set_pool(g.pool.name());
+  req.set_session(s.session);
   *req.mutable_page_ids() = {s.all_pages.begin(), s.all_pages.end()};
   v1::FreePagesResponse resp;
   CHECK_RPC(stub.FreePages(&ctx, req, &resp));
@@ -130,6 +145,7 @@ v1::PrefillRequest PrefillOf(const Geometry& g, const Sequences& s, int b, int t
                              bool append, std::mt19937& rng) {
   v1::PrefillRequest r;
   r.set_pool(g.pool.name());
+  r.set_session(s.session);
   const int64_t h = g.pool.num_qo_heads();
   RandomBf16(r.mutable_q(), {q_len, h, g.q_dim()}, rng);
   if (g.mla()) RandomBf16(r.mutable_q_pe(), {q_len, h, 64}, rng);
@@ -170,6 +186,7 @@ void Fill(v1::AttentionService::Stub& stub, const Geometry& g, const Sequences& 
 v1::DecodeRequest DecodeOf(const Geometry& g, const Sequences& s, std::mt19937& rng) {
   v1::DecodeRequest r;
   r.set_pool(g.pool.name());
+  r.set_session(s.session);
   const int64_t batch = static_cast<int64_t>(s.kv_indptr.size()) - 1;
   RandomBf16(r.mutable_q(), {batch, g.pool.num_qo_heads(), g.q_dim()}, rng);
   if (g.mla()) {
@@ -231,10 +248,13 @@ int Main() {
   std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs;
   std::vector<Sequences> seqs;
   std::mt19937 rng(1);
+  std::string session;
   for (int c = 0; c < clients + (background > 0); ++c) {
     const bool bg = c == clients;
     stubs.push_back(Connect(address));
-    seqs.push_back(Allocate(*stubs.back(), g, bg ? 1 : batch, bg ? background : seq_tokens));
+    if (session.empty()) session = OpenSession(*stubs.back());
+    seqs.push_back(
+        Allocate(*stubs.back(), g, session, bg ? 1 : batch, bg ? background : seq_tokens));
     Fill(*stubs.back(), g, seqs.back(), bg ? background : seq_tokens, rng);
   }
 
@@ -260,10 +280,9 @@ int Main() {
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
         v1::AttentionResponse resp;
         const auto start = Clock::now();
-        const grpc::Status st = prefills.empty()
-                                    ? stubs[c]->Decode(&ctx, decode, &resp)
-                                    : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()],
-                                                        &resp);
+        const grpc::Status st =
+            prefills.empty() ? stubs[c]->Decode(&ctx, decode, &resp)
+                             : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()], &resp);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
         if (!st.ok()) {
           std::fprintf(stderr, "call failed: %s\n", st.error_message().c_str());
@@ -325,30 +344,33 @@ int Main() {
               calls_per_s, tokens_per_s, merged);
   std::printf("  client us   p50 %.0f  p90 %.0f  p99 %.0f\n", Percentile(client, .5),
               Percentile(client, .9), Percentile(client, .99));
-  std::printf("  server us   queue p50 %.0f p99 %.0f | compute p50 %.0f p99 %.0f | total p50 %.0f "
-              "p99 %.0f | overhead (total - compute) p50 %.0f p99 %.0f\n",
-              Percentile(queue, .5), Percentile(queue, .99), Percentile(compute, .5),
-              Percentile(compute, .99), Percentile(total, .5), Percentile(total, .99),
-              Percentile(overhead, .5), Percentile(overhead, .99));
-  std::printf("  overhead us p50: queue %.0f | prepare %.0f | execute - compute %.0f | finish %.0f | "
-              "rest %.0f\n",
-              Percentile(queue, .5), Percentile(prepare, .5), Percentile(transfer, .5),
-              Percentile(finish, .5), Percentile(rest, .5));
+  std::printf(
+      "  server us   queue p50 %.0f p99 %.0f | compute p50 %.0f p99 %.0f | total p50 %.0f "
+      "p99 %.0f | overhead (total - compute) p50 %.0f p99 %.0f\n",
+      Percentile(queue, .5), Percentile(queue, .99), Percentile(compute, .5),
+      Percentile(compute, .99), Percentile(total, .5), Percentile(total, .99),
+      Percentile(overhead, .5), Percentile(overhead, .99));
+  std::printf(
+      "  overhead us p50: queue %.0f | prepare %.0f | execute - compute %.0f | finish %.0f | "
+      "rest %.0f\n",
+      Percentile(queue, .5), Percentile(prepare, .5), Percentile(transfer, .5),
+      Percentile(finish, .5), Percentile(rest, .5));
   std::printf("  end to end  client - compute p50 %.0f p99 %.0f\n", Percentile(end_to_end, .5),
               Percentile(end_to_end, .99));
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream f(path);
     f << "{\"clients\": " << clients << ", \"batch\": " << batch << ", \"context\": " << context
-      << ", \"op\": \"" << (prefill ? "prefill" : "decode") << "\", \"background_prefill\": "
-      << background << ", \"calls_per_s\": " << calls_per_s << ", \"tokens_per_s\": "
-      << tokens_per_s << ", \"merged_per_launch\": " << merged
-      << ", \"client_us\": {\"p50\": " << Percentile(client, .5) << ", \"p90\": "
-      << Percentile(client, .9) << ", \"p99\": " << Percentile(client, .99)
+      << ", \"op\": \"" << (prefill ? "prefill" : "decode")
+      << "\", \"background_prefill\": " << background << ", \"calls_per_s\": " << calls_per_s
+      << ", \"tokens_per_s\": " << tokens_per_s << ", \"merged_per_launch\": " << merged
+      << ", \"client_us\": {\"p50\": " << Percentile(client, .5)
+      << ", \"p90\": " << Percentile(client, .9) << ", \"p99\": " << Percentile(client, .99)
       << "}, \"server_overhead_us\": {\"p50\": " << Percentile(overhead, .5)
-      << ", \"p99\": " << Percentile(overhead, .99) << "}, \"end_to_end_overhead_us\": {\"p50\": "
-      << Percentile(end_to_end, .5) << ", \"p99\": " << Percentile(end_to_end, .99)
-      << "}, \"compute_us_p50\": "
-      << Percentile(compute, .5) << ", \"queue_us_p50\": " << Percentile(queue, .5)
+      << ", \"p99\": " << Percentile(overhead, .99)
+      << "}, \"end_to_end_overhead_us\": {\"p50\": " << Percentile(end_to_end, .5)
+      << ", \"p99\": " << Percentile(end_to_end, .99)
+      << "}, \"compute_us_p50\": " << Percentile(compute, .5)
+      << ", \"queue_us_p50\": " << Percentile(queue, .5)
       << ", \"stage_us_p50\": {\"prepare\": " << Percentile(prepare, .5)
       << ", \"execute_minus_compute\": " << Percentile(transfer, .5)
       << ", \"finish\": " << Percentile(finish, .5) << ", \"rest\": " << Percentile(rest, .5)

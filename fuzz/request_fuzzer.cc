@@ -8,10 +8,10 @@
 //   bit 3:    submit the call twice, to run in one launch (a merged batch of two calls)
 // Steps, as the service takes them: parse; validate against the pool (server/api/validate.h);
 // then, on a fresh Engine over a CPU backend (server/engine/engine.h) whose pools' pages
-// 0 .. num_pages - 4 belong to the connection's implicit session, the next two to another session
-// and the last is free: Engine::Admit as the session the request names (its implicit session when
-// it names none), which resolves the handle, pins kv_indices and takes the append locks; drop
-// admitted calls whose attention work exceeds kWorkBudget (one input must not take seconds);
+// 0 .. num_pages - 4 belong to the caller's session, the next two to another session and the last
+// is free: Engine::Admit as the session the request names (the caller's when it names none, as a
+// client names its own), which resolves the handle, pins kv_indices and takes the append locks;
+// drop admitted calls whose attention work exceeds kWorkBudget (one input must not take seconds);
 // Engine::Submit and wait for the answer; check the pools are as they were.
 //
 // Besides sanitizer reports, the target aborts when an API contract is broken: a validation error
@@ -128,9 +128,7 @@ Fixture& GetFixture() {
   return *fixture;
 }
 
-// The connection every request arrives on; its implicit session is the first session of a fresh
-// engine, so its handle is "<kEpoch>-1" (the corpus names it so).
-constexpr char kPeer[] = "fuzz-peer";
+// The caller's session is the first one a fresh engine opens.
 constexpr SessionId kOwner = 1;
 constexpr int kOtherPages = 2;
 
@@ -148,9 +146,12 @@ class World {
                        nullptr, nullptr);
     if (!engine.ok()) Fail("Engine::Create", engine.status());
     engine_ = *std::move(engine);
-    const Caller owner{"", kPeer};
-    if (!engine_->RenewLease(owner).ok()) Fail("fixture session");  // opens it first: kOwner
-    const Caller other{engine_->OpenSession(absl::ZeroDuration(), 0).handle, ""};
+    absl::StatusOr<OpenedSession> mine = engine_->OpenSession(absl::ZeroDuration(), 0, {});
+    absl::StatusOr<OpenedSession> theirs = engine_->OpenSession(absl::ZeroDuration(), 0, {});
+    if (!mine.ok() || !theirs.ok() || mine->id != kOwner) Fail("fixture sessions");
+    owner_handle_ = mine->handle;
+    const Caller owner{owner_handle_, Principal{}};
+    const Caller other{theirs->handle, Principal{}};
     for (const PoolGeometry& g : GetFixture().pools) {
       // Allocation hands out 0, 1, 2, ... first: the owner gets 0 .. n - 4.
       if (!engine_->AllocatePages(g.name, owner, g.num_pages - 1 - kOtherPages).ok() ||
@@ -161,6 +162,7 @@ class World {
   }
 
   Engine& engine() { return *engine_; }
+  const std::string& owner_handle() const { return owner_handle_; }
 
   // Every call is over and every page where the setup put it.
   void CheckUntouched() {
@@ -179,6 +181,7 @@ class World {
 
  private:
   std::unique_ptr<Engine> engine_;
+  std::string owner_handle_;
 };
 
 // Attention multiply-adds of a validated call, in 64 bits (inputs are bounded by the message,
@@ -206,6 +209,7 @@ absl::StatusOr<AttentionCall> Validate(const v1::DecodeRequest& req, const PoolG
   return ValidateDecode(req, g);
 }
 
+// (PERMISSION_DENIED cannot happen: every session here is the anonymous principal's.)
 bool AdmissionError(const absl::Status& st) {
   return absl::IsInvalidArgument(st) || absl::IsFailedPrecondition(st) || absl::IsNotFound(st);
 }
@@ -225,7 +229,7 @@ void RunOne(const Request& req, int pool_index, bool merge) {
   World world(twice ? 2 : 1);
   Engine& engine = world.engine();
   Engine::Pool& pool = **engine.FindPool(g.name);
-  const Caller caller{req.session(), kPeer};
+  const Caller caller{req.session().empty() ? world.owner_handle() : req.session(), Principal{}};
 
   std::vector<Admission> admitted;
   absl::StatusOr<Admission> first = engine.Admit(pool, caller, *call);
