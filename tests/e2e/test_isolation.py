@@ -5,6 +5,7 @@ a fraction of a measured duration."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -372,6 +373,8 @@ def scratch_rss_mb(server: Launched) -> float:
     return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
 
 
+@pytest.mark.skipif("ASAN_OPTIONS" in os.environ,
+                    reason="ASan's allocator keeps freed memory in quarantine")  # fmt: skip
 def test_a_large_call_leaves_no_memory_behind(private) -> None:
     server = private(config())
     a = Tenant(server)
