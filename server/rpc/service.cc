@@ -1,7 +1,5 @@
 #include "server/rpc/service.h"
 
-#include <malloc.h>
-
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -47,7 +45,7 @@ std::string RequestId(const grpc::CallbackServerContext* ctx) {
   return std::string(it->second.data(), std::min<size_t>(it->second.size(), 128));
 }
 
-// Calls at least this large give their memory back to the system when they end (Call::OnDone).
+// Calls at least this large have the allocator trimmed after them (Call::OnDone).
 constexpr size_t kLargeCallBytes = size_t{16} << 20;
 
 constexpr char kGetServerInfo[] = "GetServerInfo";
@@ -66,9 +64,14 @@ constexpr char kCloseSession[] = "CloseSession";
 template <typename Request, typename Response>
 class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
  public:
-  Call(Metrics* metrics, const char* method, grpc::CallbackServerContext* ctx,
-       grpc::ByteBuffer* reply)
-      : ctx(ctx), method(method), request_id(RequestId(ctx)), metrics_(metrics), reply_(reply) {
+  Call(Metrics* metrics, AllocatorTrimmer* trimmer, const char* method,
+       grpc::CallbackServerContext* ctx, grpc::ByteBuffer* reply)
+      : ctx(ctx),
+        method(method),
+        request_id(RequestId(ctx)),
+        metrics_(metrics),
+        trimmer_(trimmer),
+        reply_(reply) {
     if (!request_id.empty()) ctx->AddInitialMetadata("x-request-id", request_id);
   }
 
@@ -91,13 +94,12 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
     Finish(ToGrpcStatus(status));
   }
 
-  // A large call's request and response are freed with the reactor; their memory goes back to
-  // the system then, not to the allocator's free lists (where gRPC's threads' arenas kept
-  // tens of MiB per large call for good).
+  // A large call's memory goes back to the system a moment after it ends (allocator_trim.h).
   void OnDone() override {
-    const bool large = request.ByteSizeLong() + response.ByteSizeLong() > kLargeCallBytes;
+    if (request.ByteSizeLong() + response.ByteSizeLong() > kLargeCallBytes) {
+      trimmer_->LargeCallEnded();
+    }
     delete this;
-    if (large) malloc_trim(0);
   }
 
   grpc::CallbackServerContext* const ctx;
@@ -110,6 +112,7 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
 
  private:
   Metrics* const metrics_;
+  AllocatorTrimmer* const trimmer_;
   grpc::ByteBuffer* const reply_;
 };
 
@@ -123,7 +126,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
                                                       const grpc::ByteBuffer* in,
                                                       grpc::ByteBuffer* out,
                                                       Handler<Request, Response> handle) {
-  auto* call = new Call<Request, Response>(metrics_, method, ctx, out);
+  auto* call = new Call<Request, Response>(metrics_, &trimmer_, method, ctx, out);
   metrics_->OnRpcStarted();
   grpc::ByteBuffer bytes(*in);  // parsing consumes the buffer; this copy shares its slices
   if (!grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request).ok()) {

@@ -11,6 +11,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/allocator_trim.h"
 #include "server/rpc/auth.h"
 
 namespace attn {
@@ -86,6 +87,7 @@ class AttentionServiceImpl final : public RawAttentionService {
   Metrics* const metrics_;
   const Authorizer* const auth_;
   const int64_t max_message_bytes_;
+  AllocatorTrimmer trimmer_;
 };
 
 }  // namespace attn
