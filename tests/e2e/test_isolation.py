@@ -347,6 +347,16 @@ def test_reflection_v1_describes_every_service_health_included(own) -> None:
                                     request_serializer=request_type.SerializeToString,
                                     response_deserializer=response_type.FromString)  # fmt: skip
         assert check(request_type(service="attnserve.live"), timeout=5).status == 1
+        # grpcio-reflection's own client (v1alpha) resolves the services through the same data.
+        from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+            ProtoReflectionDescriptorDatabase,
+        )
+
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert "grpc.health.v1.Health" in database.get_services()
+        described = descriptor_pool.DescriptorPool(database)
+        service = described.FindServiceByName("attnserve.v1.AttentionService")
+        assert "Decode" in [m.name for m in service.methods]
         (api,) = reflect(channel, "v1", [{"file_by_filename": "attnserve/v1/attention.proto"}])
         files = [descriptor_pb2.FileDescriptorProto.FromString(b)
                  for b in api.file_descriptor_response.file_descriptor_proto]  # fmt: skip
