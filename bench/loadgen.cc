@@ -109,20 +109,33 @@ struct Geometry {
   int q_dim() const { return mla() ? 512 : pool.head_dim(); }
 };
 
-// Sequences of one client: their pages and page table.
+// Sequences of one client: their session, pages and page table.
 struct Sequences {
+  std::string session;
   std::vector<int32_t> kv_indptr{0}, kv_indices, kv_last_page_len;
   std::vector<int32_t> all_pages;
 };
 
-Sequences Allocate(v1::AttentionService::Stub& stub, const Geometry& g, int count, int tokens) {
+// One session for every client: the load of one scheduler over several connections, so that
+// Timings.batch_requests (which counts the caller's own session's calls) shows the merging.
+std::string OpenSession(v1::AttentionService::Stub& stub) {
+  grpc::ClientContext ctx;
+  v1::OpenSessionResponse resp;
+  CHECK_RPC(stub.OpenSession(&ctx, v1::OpenSessionRequest(), &resp));
+  return resp.session();
+}
+
+Sequences Allocate(v1::AttentionService::Stub& stub, const Geometry& g, const std::string& session,
+                   int count, int tokens) {
   Sequences s;
+  s.session = session;
   const int ps = g.pool.page_size();
   const int pages = (tokens + ps - 1) / ps;
   for (int b = 0; b < count; ++b) {
     grpc::ClientContext ctx;
     v1::AllocatePagesRequest req;
     req.set_pool(g.pool.name());
+    req.set_session(session);
     req.set_num_pages(pages);
     v1::AllocatePagesResponse resp;
     CHECK_RPC(stub.AllocatePages(&ctx, req, &resp));
@@ -138,6 +151,7 @@ void Free(v1::AttentionService::Stub& stub, const Geometry& g, const Sequences& 
   grpc::ClientContext ctx;
   v1::FreePagesRequest req;
   req.set_pool(g.pool.name());
+  req.set_session(s.session);
   *req.mutable_page_ids() = {s.all_pages.begin(), s.all_pages.end()};
   v1::FreePagesResponse resp;
   CHECK_RPC(stub.FreePages(&ctx, req, &resp));
@@ -148,6 +162,7 @@ v1::PrefillRequest PrefillOf(const Geometry& g, const Sequences& s, int b, int t
                              bool append, std::mt19937& rng) {
   v1::PrefillRequest r;
   r.set_pool(g.pool.name());
+  r.set_session(s.session);
   const int64_t h = g.pool.num_qo_heads();
   RandomBf16(r.mutable_q(), {q_len, h, g.q_dim()}, rng);
   if (g.mla()) RandomBf16(r.mutable_q_pe(), {q_len, h, 64}, rng);
@@ -188,6 +203,7 @@ void Fill(v1::AttentionService::Stub& stub, const Geometry& g, const Sequences& 
 v1::DecodeRequest DecodeOf(const Geometry& g, const Sequences& s, std::mt19937& rng) {
   v1::DecodeRequest r;
   r.set_pool(g.pool.name());
+  r.set_session(s.session);
   const int64_t batch = static_cast<int64_t>(s.kv_indptr.size()) - 1;
   RandomBf16(r.mutable_q(), {batch, g.pool.num_qo_heads(), g.q_dim()}, rng);
   if (g.mla()) {
@@ -386,10 +402,13 @@ int Main() {
   std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs;
   std::vector<Sequences> seqs;
   std::mt19937 rng(1);
+  std::string session;
   for (int c = 0; c < clients + (background > 0); ++c) {
     const bool bg = c == clients;
     stubs.push_back(Connect(address));
-    seqs.push_back(Allocate(*stubs.back(), g, bg ? 1 : batch, bg ? background : seq_tokens));
+    if (session.empty()) session = OpenSession(*stubs.back());
+    seqs.push_back(
+        Allocate(*stubs.back(), g, session, bg ? 1 : batch, bg ? background : seq_tokens));
     Fill(*stubs.back(), g, seqs.back(), bg ? background : seq_tokens, rng);
   }
 

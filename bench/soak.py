@@ -6,8 +6,8 @@
 Starts the server (ATTNSERVE_BIN, default build/release/bin/attnserve; CPU backend) with a GQA and
 an MLA pool, then runs --clients threads, each with its own connection, doing episodes until the
 time is up. An episode is a scheduler's life in miniature on one pool:
-  - a session: the connection's implicit one, or an explicit one (OpenSession, lease 2 s) on a
-    new connection;
+  - a session: the thread's client's own (opened by its first call that needs one), or an
+    explicit one (OpenSession, lease 2 s) on a new connection;
   - 1-3 sequences: AllocatePages, chunked prefill with append on every layer, decode steps with
     append on every layer;
   - ~5 % of the attention calls with a 1-3 ms deadline (cancelled, or finished in time);
@@ -136,7 +136,7 @@ class Worker:
         self.stop = stop
         self.rng = random.Random(index)
         self.bits = Bits(index)
-        self.base = Client(address, timeout=30.0)  # this thread's connection (implicit session)
+        self.base = Client(address, timeout=30.0)  # this thread's connection and session
 
     def run(self) -> None:
         try:

@@ -11,10 +11,10 @@
 // region references against a shared-memory region "r" of kRegionBytes that the connection's
 // session registered (a page table at 1024, random bf16 values from 4096 on);
 // then, on a fresh Engine over a CPU backend (server/engine/engine.h) whose pools' pages
-// 0 .. num_pages - 4 belong to the connection's implicit session, the next two to another session
-// and the last is free: Engine::Admit as the session the request names (its implicit session when
-// it names none), which resolves the handle, pins kv_indices and takes the append locks; drop
-// admitted calls whose attention work exceeds kWorkBudget (one input must not take seconds);
+// 0 .. num_pages - 4 belong to the caller's session, the next two to another session and the last
+// is free: Engine::Admit as the session the request names (the caller's when it names none, as a
+// client names its own), which resolves the handle, pins kv_indices and takes the append locks;
+// drop admitted calls whose attention work exceeds kWorkBudget (one input must not take seconds);
 // Engine::Submit and wait for the answer; check the pools are as they were.
 //
 // Besides sanitizer reports, the target aborts when an API contract is broken: a validation error
@@ -169,9 +169,7 @@ Fixture& GetFixture() {
   return *fixture;
 }
 
-// The connection every request arrives on; its implicit session is the first session of a fresh
-// engine (id 1; it has no handle, so requests reach it by naming no session).
-constexpr char kPeer[] = "fuzz-peer";
+// The caller's session is the first one a fresh engine opens.
 constexpr SessionId kOwner = 1;
 constexpr int kOtherPages = 2;
 
@@ -191,10 +189,13 @@ class World {
                        nullptr, nullptr, data_plane);
     if (!engine.ok()) Fail("Engine::Create", engine.status());
     engine_ = *std::move(engine);
-    const Caller owner{"", kPeer};
-    if (!engine_->RenewLease(owner).ok()) Fail("fixture session");  // opens it first: kOwner
+    absl::StatusOr<OpenedSession> mine = engine_->OpenSession(absl::ZeroDuration(), 0, {});
+    absl::StatusOr<OpenedSession> theirs = engine_->OpenSession(absl::ZeroDuration(), 0, {});
+    if (!mine.ok() || !theirs.ok() || mine->id != kOwner) Fail("fixture sessions");
+    owner_handle_ = mine->handle;
+    const Caller owner{owner_handle_, Principal{}};
+    const Caller other{theirs->handle, Principal{}};
     if (!engine_->RegisterRegion(owner, "r", GetFixture().region).ok()) Fail("fixture region");
-    const Caller other{engine_->OpenSession(absl::ZeroDuration(), 0).handle, ""};
     for (const PoolGeometry& g : GetFixture().pools) {
       // Allocation hands out 0, 1, 2, ... first: the owner gets 0 .. n - 4.
       if (!engine_->AllocatePages(g.name, owner, g.num_pages - 1 - kOtherPages).ok() ||
@@ -205,6 +206,7 @@ class World {
   }
 
   Engine& engine() { return *engine_; }
+  const std::string& owner_handle() const { return owner_handle_; }
 
   // Every call is over and every page where the setup put it.
   void CheckUntouched() {
@@ -223,6 +225,7 @@ class World {
 
  private:
   std::unique_ptr<Engine> engine_;
+  std::string owner_handle_;
 };
 
 // Attention multiply-adds of a validated call, in 64 bits (inputs are bounded by the message,
@@ -257,6 +260,7 @@ bool ValidationError(const absl::Status& st) {
   return absl::IsInvalidArgument(st) || absl::IsNotFound(st);
 }
 
+// (PERMISSION_DENIED cannot happen: every session here is the anonymous principal's.)
 bool AdmissionError(const absl::Status& st) {
   return absl::IsInvalidArgument(st) || absl::IsFailedPrecondition(st) || absl::IsNotFound(st);
 }
@@ -267,10 +271,14 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
   // Validation resolves regions, so the world (its engine and region) comes first; an invalid
   // request must leave it as it was.
   World probe(1);
-  const Caller caller{req.session(), kPeer};
+  // The session the request names, or (none named) the owner's: handles are random per world.
+  const auto CallerIn = [&req](World& w) {
+    return Caller{req.session().empty() ? w.owner_handle() : req.session(), Principal{}};
+  };
   Engine& probe_engine = probe.engine();
+  const Caller probe_caller = CallerIn(probe);
   const RegionResolver probe_regions = [&](absl::Span<const SliceRef> slices) {
-    return probe_engine.ResolveRegions(caller, slices);
+    return probe_engine.ResolveRegions(probe_caller, slices);
   };
   absl::StatusOr<ValidatedCall> valid = Validate(req, data, g, probe_regions);
   if (!valid.ok()) {
@@ -289,6 +297,7 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
   World& world = twice ? *merged_world : probe;
   Engine& engine = world.engine();
   Engine::Pool& pool = **engine.FindPool(g.name);
+  const Caller caller = CallerIn(world);
   const RegionResolver regions = [&](absl::Span<const SliceRef> slices) {
     return engine.ResolveRegions(caller, slices);
   };

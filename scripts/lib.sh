@@ -43,6 +43,8 @@ setup_venv() {
   log "installing the Python client into $VENV"
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
   "$VENV/bin/pip" install -q "$ROOT/client/python[fast]" pytest ruff
+  # tests/e2e/test_isolation.py reads the server's reflection with its messages, as grpcurl would.
+  "$VENV/bin/pip" install -q grpcio-reflection
 }
 
 build() {

@@ -1,6 +1,7 @@
 // attnserve: the attention server. With no arguments it serves the embedded default (see
 // server/api/config.h) on 127.0.0.1:50051; --config=FILE names a text-format ServerConfig, and the
 // flags below override single settings.
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -26,17 +27,18 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/descriptor.h"
+#include "absl/synchronization/notification.h"
 #include "google/protobuf/stubs/logging.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
-#include "server/rpc/auth.h"
-#include "server/backends/backend_factory.h"
 #include "server/api/config.h"
+#include "server/backends/backend_factory.h"
 #include "server/engine/engine.h"
-#include "server/metrics/metrics.h"
-#include "server/rpc/service.h"
 #include "server/engine/status_macros.h"
+#include "server/metrics/metrics.h"
+#include "server/rpc/auth.h"
+#include "server/rpc/health.h"
+#include "server/rpc/reflection.h"
+#include "server/rpc/service.h"
 
 // Sentinels ("" and -1) mean "not given": the config file or the embedded default applies.
 ABSL_FLAG(std::string, config, "", "Text-format attnserve.v1.ServerConfig file");
@@ -54,11 +56,17 @@ ABSL_FLAG(int, max_queue_delay_us, -1, "Longest wait for calls to merge with (mi
 ABSL_FLAG(int, max_batch_requests, -1, "Most calls merged into one launch");
 ABSL_FLAG(int, max_batch_tokens, -1, "Most query tokens in one launch");
 ABSL_FLAG(int, max_queue_requests, -1, "Queued calls per pool and op before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_queue_bytes, -1,
+          "Bytes the queued calls of one pool and op may hold before RESOURCE_EXHAUSTED "
+          "(default 512 MiB)");
+ABSL_FLAG(int64_t, max_call_key_reads, -1,
+          "Work budget of one call: keys read, sum of q_len * kv_len (default 2^30)");
+ABSL_FLAG(int, max_sessions, -1, "Open sessions at once (default 4096)");
 ABSL_FLAG(int, drain_timeout_seconds, -1,
           "On SIGTERM, how long accepted calls may take to finish (default 30)");
-ABSL_FLAG(int, session_lease_seconds, -1,
-          "Lease of implicit sessions and of sessions opened without one (default 300)");
-ABSL_FLAG(int, session_max_pages, -1, "Page quota of sessions opened without one (default none)");
+ABSL_FLAG(int, session_lease_seconds, -1, "Lease of sessions opened without one (default 300)");
+ABSL_FLAG(int, session_max_pages, -1,
+          "Most pages one session may hold: every session's quota (default: no limit)");
 ABSL_FLAG(std::string, tls_cert_file, "", "Server certificate chain (PEM): the gRPC port speaks TLS");
 ABSL_FLAG(std::string, tls_key_file, "", "Private key of --tls_cert_file (PEM)");
 ABSL_FLAG(std::string, tls_client_ca_file, "",
@@ -66,13 +74,18 @@ ABSL_FLAG(std::string, tls_client_ca_file, "",
 ABSL_FLAG(int, health_port, -1,
           "Plaintext port serving only grpc.health.v1 (for probes when TLS or tokens are on)");
 ABSL_FLAG(std::string, inject_fault, "",
-          "Testing hook: make a launch fail as a device can (sticky:N or alloc:N; see "
-          "server/backends/fault_injection.h)");
+          "Testing hook: make a launch fail or take long as a device can (sticky:N, alloc:N "
+          "or delay:MS; see server/backends/fault_injection.h)");
 ABSL_FLAG(bool, cuda_single_stream, false,
           "Run prefill and decode on one CUDA stream (for comparisons; default: a stream each)");
 
 namespace attn {
 namespace {
+
+// Health service names (proto/grpc/health/v1/health.proto lists what each one means).
+constexpr char kReadyService[] = "attnserve.ready";
+constexpr char kLiveService[] = "attnserve.live";
+constexpr char kHealthService[] = "grpc.health.v1.Health";
 
 template <typename T>
 std::optional<T> Given(const absl::Flag<T>& flag) {
@@ -101,6 +114,9 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.max_batch_requests = Given(FLAGS_max_batch_requests);
   o.max_batch_tokens = Given(FLAGS_max_batch_tokens);
   o.max_queue_requests = Given(FLAGS_max_queue_requests);
+  o.max_queue_bytes = Given(FLAGS_max_queue_bytes);
+  o.max_call_key_reads = Given(FLAGS_max_call_key_reads);
+  o.max_sessions = Given(FLAGS_max_sessions);
   o.drain_timeout_seconds = Given(FLAGS_drain_timeout_seconds);
   o.session_lease_seconds = Given(FLAGS_session_lease_seconds);
   o.session_max_pages = Given(FLAGS_session_max_pages);
@@ -229,8 +245,12 @@ int Run() {
     return 2;
   }
   AttentionServiceImpl service(engine->get(), &metrics, &*auth, options->max_message_bytes);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Health on both ports, reflection only on the main one (server/rpc/health.h and
+  // reflection.h say why neither is gRPC's own).
+  grpc::EnableDefaultHealthCheckService(false);
+  HealthStatus health;
+  HealthService main_health(&health), port_health(&health);
+  Reflection reflection({v1::AttentionService::service_full_name(), kHealthService});
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options->listen_address, *credentials, &port);
@@ -238,6 +258,9 @@ int Run() {
   builder.SetMaxSendMessageSize(static_cast<int>(options->max_message_bytes));
   TuneTransport(builder);
   builder.RegisterService(&service);
+  builder.RegisterService(&main_health);
+  builder.RegisterService(reflection.v1());
+  builder.RegisterService(reflection.v1alpha());
   const bool unix_socket = absl::StartsWith(options->listen_address, "unix");
   // No moment with a looser mode: the umask applies while gRPC creates the socket.
   const mode_t umask_before =
@@ -258,22 +281,32 @@ int Run() {
     }
   }
   // Kubernetes probes cannot present client certificates or tokens: a plaintext port that
-  // serves only grpc.health.v1, following the main server's status.
+  // serves only grpc.health.v1 (no reflection, nothing else), following the main server's
+  // status.
   std::unique_ptr<grpc::Server> health_server;
   if (options->health_port > 0) {
     grpc::ServerBuilder health_builder;
     health_builder.AddListeningPort(absl::StrCat(host, ":", options->health_port),
                                     grpc::InsecureServerCredentials());
+    health_builder.RegisterService(&port_health);
     health_server = health_builder.BuildAndStart();
     if (health_server == nullptr) {
       std::cerr << "attnserve: cannot serve health on port " << options->health_port << "\n";
       return 1;
     }
   }
-  auto set_health = [&](bool serving) {
-    server->GetHealthCheckService()->SetServingStatus(serving);
-    if (health_server) health_server->GetHealthCheckService()->SetServingStatus(serving);
+  // Readiness (take work) and liveness (the process works) are reported apart, so a draining
+  // server is taken out of rotation without being restarted (docs/design.md, "Health").
+  auto set_health = [&](bool ready, bool live) {
+    for (const char* name : {"", kReadyService, v1::AttentionService::service_full_name()}) {
+      health.Set(name, ready);
+    }
+    for (const char* name : {kLiveService, kHealthService, "grpc.reflection.v1.ServerReflection",
+                             "grpc.reflection.v1alpha.ServerReflection"}) {
+      health.Set(name, live);
+    }
   };
+  set_health(true, true);
   std::cerr << "attnserve " << kVersion << ": backend " << (*engine)->backend().name() << " ("
             << (*engine)->backend().device() << "), " << options->pools.size() << " pool(s)"
             << (options->tls.cert_file().empty() ? "" : ", TLS")
@@ -286,7 +319,6 @@ int Run() {
     std::cout << "attnserve listening on " << listen.substr(0, listen.rfind(':')) << ":" << port
               << std::endl;
   }
-
 
   // Signals were blocked before any thread started; this thread takes them. The first asks for a
   // graceful drain, a second one ends the process at once.
@@ -303,20 +335,45 @@ int Run() {
     std::_Exit(1);
   }).detach();
   const int exit_code = shutdown.Wait();
-  set_health(false);
-  if (exit_code == 0) {
-    // Drain: refuse new work, let accepted calls finish (up to the deadline).
-    (*engine)->StartDrain();
-    const absl::Duration limit = absl::Seconds(options->drain_timeout_seconds);
-    if (!(*engine)->WaitForIdle(absl::Now() + limit)) {
-      std::cerr << "attnserve: drain deadline (" << limit << ") passed with calls in flight\n";
-    }
-    // Keep answering UNAVAILABLE a moment longer, so a client's next call gets that answer
-    // rather than a connection torn down under it.
-    absl::SleepFor(absl::Milliseconds(250));
+  const absl::Time drain_deadline =
+      absl::Now() + absl::Seconds(exit_code == 0 ? options->drain_timeout_seconds : 0);
+  set_health(false, exit_code == 0);
+  // Refuse new work and let admitted calls finish, until the drain deadline. Then what is still
+  // queued is cancelled (its callers get UNAVAILABLE), and the process exits at the deadline
+  // even if a launch still runs: gRPC's Shutdown would wait for every call, so a queue of long
+  // calls kept the process for their whole run (16-19 s with a 1 s deadline).
+  (*engine)->StartDrain();
+  const bool idle = (*engine)->WaitForIdle(drain_deadline);
+  int cancelled = 0;
+  if (!idle) {
+    cancelled = (*engine)->CancelQueued(absl::UnavailableError(
+        "the server is shutting down: its drain deadline passed before this call ran; retry on "
+        "another server"));
   }
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  if (health_server) health_server->Shutdown();
+  // Keep answering UNAVAILABLE a moment longer, so a client's next call gets that answer rather
+  // than a connection torn down under it, and the cancelled calls' answers go out.
+  absl::SleepFor(absl::Milliseconds(250));
+  // Shared with the thread, which may outlive this frame when the process exits at the deadline.
+  auto stopped = std::make_shared<absl::Notification>();
+  health.Shutdown();  // ends the Watch streams, which Shutdown would otherwise wait for
+  std::thread([&server, &health_server, stopped] {
+    server->Shutdown(std::chrono::system_clock::now());
+    if (health_server) health_server->Shutdown();
+    stopped->Notify();
+  }).detach();
+  if (!stopped->WaitForNotificationWithDeadline(std::max(drain_deadline, absl::Now()) +
+                                                absl::Milliseconds(500))) {
+    std::cerr << "attnserve: drain deadline (" << options->drain_timeout_seconds
+              << " s) passed: " << cancelled << " queued call(s) cancelled, "
+              << (*engine)->active_calls() << " still running on the backend abandoned; exiting\n";
+    std::_Exit(exit_code);
+  }
+  std::cerr << "attnserve: "
+            << (idle ? "drained: every admitted call finished"
+                     : absl::StrCat("drain deadline (", options->drain_timeout_seconds,
+                                    " s) passed: ", cancelled,
+                                    " queued call(s) cancelled, the running ones finished"))
+            << "\n";
   engine->reset();
   return exit_code;
 }
@@ -352,6 +409,11 @@ void RateLimitedProtobufLog(google::protobuf::LogLevel level, const char* file, 
 }  // namespace attn
 
 int main(int argc, char** argv) {
+  // Buffers of a MiB or more (requests, responses, scratch of large calls) are mapped and
+  // unmapped on their own instead of coming from the heap: glibc's adaptive threshold would
+  // otherwise rise to 32 MiB after the first large free, and a 98 MiB call left the process
+  // about 350 MiB larger for good.
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   google::protobuf::SetLogHandler(&attn::RateLimitedProtobufLog);
   absl::SetProgramUsageMessage("attnserve [--config=FILE] [--listen_address=HOST:PORT] ...");
   // --help lists the flags of files whose name matches the program's by default (attnserve.cc);

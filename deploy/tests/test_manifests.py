@@ -241,7 +241,9 @@ def test_grpc_probes_on_the_grpc_port(rendered, directory: Path, server_config_c
         if probe in container:
             assert set(container[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}
             assert container[probe]["grpc"]["port"] == port, f"{probe} probes the wrong port"
-            assert container[probe]["grpc"].get("service", "") == "", "probe the whole server"
+            # Liveness and readiness differ: a draining server is not ready but alive.
+            want = "attnserve.live" if probe == "livenessProbe" else "attnserve.ready"
+            assert container[probe]["grpc"].get("service") == want, f"{probe} probes {want}"
 
 
 @server_kustomizations
@@ -420,8 +422,14 @@ def test_rendered_config_and_args_start_the_real_server(
     try:
         with grpc.insecure_channel(server.address) as channel:
             pools = {p.name: p for p in api.call(channel, "GetServerInfo").pools}
-            health = channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=10)
-        assert health == HEALTH_SERVING
+            check = channel.unary_unary("/grpc.health.v1.Health/Check")
+            # The services the probes name (HealthCheckRequest{service}: tag 0x0a, length).
+            probed = {probe["grpc"].get("service", "")
+                      for name, probe in server_container(objects).items()
+                      if name.endswith("Probe")}  # fmt: skip
+            health = {s: check(b"\x0a" + bytes([len(s)]) + s.encode(), timeout=10)
+                      for s in probed}  # fmt: skip
+        assert health == dict.fromkeys(probed, HEALTH_SERVING), health
         assert set(pools) == set(expected)
         for name, (page_bytes, pool) in expected.items():
             info = pools[name]

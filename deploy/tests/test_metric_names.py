@@ -103,8 +103,11 @@ def drive(api, address: str, failures: bool = True) -> None:
     refused allocation (RESOURCE_EXHAUSTED) and an unknown pool (NOT_FOUND)."""
     with grpc.insecure_channel(address) as channel:
         api.call(channel, "GetServerInfo")
-        (page,) = api.call(channel, "AllocatePages", pool="gqa", num_pages=1).page_ids
-        table = {"kv_indptr": [0, 1], "kv_indices": [page]}
+        session = api.call(channel, "OpenSession").session
+        (page,) = api.call(
+            channel, "AllocatePages", pool="gqa", num_pages=1, session=session
+        ).page_ids
+        table = {"kv_indptr": [0, 1], "kv_indices": [page], "session": session}
         api.call(
             channel,
             "Prefill",
@@ -134,9 +137,9 @@ def drive(api, address: str, failures: bool = True) -> None:
         )
         for pool, pages, code in refused if failures else ():
             with pytest.raises(grpc.RpcError) as failed:
-                api.call(channel, "AllocatePages", pool=pool, num_pages=pages)
+                api.call(channel, "AllocatePages", pool=pool, num_pages=pages, session=session)
             assert failed.value.code() == code
-        api.call(channel, "FreePages", pool="gqa", page_ids=[page])
+        api.call(channel, "FreePages", pool="gqa", page_ids=[page], session=session)
 
 
 def serve_and_scrape(api, tmp: Path, failures: bool = True) -> str:

@@ -68,6 +68,13 @@ PlanConfig MlaPlanConfig(const MlaParams& params, const KernelTiling& tiling,
 cudaError_t GqaAppendKv(const GqaParams& params, cudaStream_t stream);
 cudaError_t MlaAppendKv(const MlaParams& params, cudaStream_t stream);
 
+// Zeroes pages of a pool's storage, laid out [num_layers, num_pages, page_bytes] (both cache
+// layouts are): every layer of each of the `num_listed` page ids in `pages` (device memory,
+// distinct ids in [0, num_pages)). One launch; page_bytes a multiple of 16, storage 16-byte
+// aligned (cudaErrorInvalidValue otherwise).
+cudaError_t ZeroPages(void* storage, int num_layers, int num_pages, int64_t page_bytes,
+                      const int32_t* pages, int num_listed, cudaStream_t stream);
+
 // Paged attention over the plan (decode when params.batch.qo_indptr is null).
 cudaError_t GqaAttention(const GqaParams& params, const DevicePlan& plan, cudaStream_t stream);
 cudaError_t MlaAttention(const MlaParams& params, const DevicePlan& plan, cudaStream_t stream);

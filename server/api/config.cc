@@ -125,6 +125,9 @@ v1::ServerConfig DefaultConfig() {
   b->set_max_batch_requests(defaults.max_batch_requests);
   b->set_max_batch_tokens(defaults.max_batch_tokens);
   b->set_max_queue_requests(defaults.max_queue_requests);
+  b->set_max_queue_bytes(defaults.max_queue_bytes);
+  b->set_max_call_key_reads(defaults.max_call_key_reads);
+  c.set_max_sessions(SessionOptions{}.max_sessions);
   v1::PoolConfig* p = c.add_pools();
   p->set_name("default");
   p->set_kind(v1::POOL_KIND_GQA);
@@ -172,7 +175,8 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   const int lease_s = o.session_lease_seconds.value_or(c.session_lease_seconds());
   s.sessions.default_lease = absl::Seconds(lease_s);
   s.sessions.max_lease = std::max(absl::Hours(1), s.sessions.default_lease);
-  s.sessions.default_max_pages = o.session_max_pages.value_or(c.session_max_pages());
+  s.sessions.max_pages = o.session_max_pages.value_or(c.session_max_pages());
+  s.sessions.max_sessions = o.max_sessions.value_or(c.max_sessions());
   s.tls = c.tls();
   if (o.tls_cert_file) s.tls.set_cert_file(*o.tls_cert_file);
   if (o.tls_key_file) s.tls.set_key_file(*o.tls_key_file);
@@ -192,6 +196,8 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   s.batching.max_batch_requests = o.max_batch_requests.value_or(b.max_batch_requests());
   s.batching.max_batch_tokens = o.max_batch_tokens.value_or(b.max_batch_tokens());
   s.batching.max_queue_requests = o.max_queue_requests.value_or(b.max_queue_requests());
+  s.batching.max_queue_bytes = o.max_queue_bytes.value_or(b.max_queue_bytes());
+  s.batching.max_call_key_reads = o.max_call_key_reads.value_or(b.max_call_key_reads());
 
   if (s.listen_address.empty()) return absl::InvalidArgumentError("listen_address is empty");
   if (s.backend.kind != "auto" && s.backend.kind != "cpu" && s.backend.kind != "cuda") {
@@ -202,8 +208,9 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   ATTN_RETURN_IF_ERROR(CheckRange("cpu_threads", s.backend.cpu_threads, 0, 1024));
   ATTN_RETURN_IF_ERROR(CheckRange("drain_timeout_seconds", s.drain_timeout_seconds, 0, 3600));
   ATTN_RETURN_IF_ERROR(CheckRange("session_lease_seconds", lease_s, 1, 7 * 24 * 3600));
-  ATTN_RETURN_IF_ERROR(CheckRange("session_max_pages", s.sessions.default_max_pages, 0,
-                             std::numeric_limits<int32_t>::max()));
+  ATTN_RETURN_IF_ERROR(CheckRange("session_max_pages", s.sessions.max_pages, 0,
+                                  std::numeric_limits<int32_t>::max()));
+  ATTN_RETURN_IF_ERROR(CheckRange("max_sessions", s.sessions.max_sessions, 1, 1 << 24));
   ATTN_RETURN_IF_ERROR(CheckRange("max_message_bytes", s.max_message_bytes, 1 << 20, kGrpcMessageLimit));
   ATTN_RETURN_IF_ERROR(CheckRange("max_queue_delay_us",
                              absl::ToInt64Microseconds(s.batching.max_queue_delay), 0, 1000000));
@@ -211,6 +218,10 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   ATTN_RETURN_IF_ERROR(CheckRange("max_batch_tokens", s.batching.max_batch_tokens, 1, 1 << 24));
   ATTN_RETURN_IF_ERROR(CheckRange("max_queue_requests", s.batching.max_queue_requests, 1, 1 << 20));
   ATTN_RETURN_IF_ERROR(ResolveDataPlane(c.data_plane(), &s.data_plane));
+  ATTN_RETURN_IF_ERROR(
+      CheckRange("max_queue_bytes", s.batching.max_queue_bytes, 1 << 20, int64_t{1} << 40));
+  ATTN_RETURN_IF_ERROR(
+      CheckRange("max_call_key_reads", s.batching.max_call_key_reads, 1, int64_t{1} << 50));
   for (const v1::PoolConfig& p : c.pools()) {
     ATTN_ASSIGN_OR_RETURN(PoolGeometry g, GeometryFromConfig(p));
     s.pools.push_back(std::move(g));

@@ -53,6 +53,9 @@ struct ConfigOverrides {
   std::optional<int> max_batch_requests;
   std::optional<int> max_batch_tokens;
   std::optional<int> max_queue_requests;
+  std::optional<int64_t> max_queue_bytes;
+  std::optional<int64_t> max_call_key_reads;
+  std::optional<int> max_sessions;
   std::optional<bool> cuda_single_stream;
   std::optional<int> drain_timeout_seconds;
   std::optional<int> session_lease_seconds;

@@ -1,7 +1,9 @@
 #include "server/backends/cpu_backend.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -31,11 +33,31 @@ class HostBuffer {
   ~HostBuffer() { munmap(data_, bytes_); }
   bf16* data() const { return static_cast<bf16*>(data_); }
 
+  // Zeroes bytes [at, at + n): whole OS pages inside the range are dropped (the mapping reads
+  // zeros there again, and the process gives the memory back), the ragged ends are memset.
+  void Zero(size_t at, size_t n) {
+    static const size_t os_page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    char* const begin = static_cast<char*>(data_) + at;
+    char* const end = begin + n;
+    const uintptr_t lo = (reinterpret_cast<uintptr_t>(begin) + os_page - 1) / os_page * os_page;
+    const uintptr_t hi = reinterpret_cast<uintptr_t>(end) / os_page * os_page;
+    if (hi > lo && madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED) == 0) {
+      std::memset(begin, 0, reinterpret_cast<char*>(lo) - begin);
+      std::memset(reinterpret_cast<char*>(hi), 0, end - reinterpret_cast<char*>(hi));
+    } else {
+      std::memset(begin, 0, n);
+    }
+  }
+
  private:
   HostBuffer(void* data, size_t bytes) : data_(data), bytes_(bytes) {}
   void* data_;
   size_t bytes_;
 };
+
+// Scratch a lane keeps after a launch (more is returned): the inputs and outputs of a decode
+// batch of a few hundred sequences, or a prefill of a few thousand tokens.
+constexpr int64_t kRetainedScratchBytes = int64_t{64} << 20;
 
 struct CpuPool {
   PoolGeometry geometry;
@@ -119,13 +141,28 @@ class CpuLane final : public Lane {
     timer.Next(&stats.finish);
     stats.bytes_in = in_elems * static_cast<int64_t>(sizeof(bf16));
     stats.bytes_out = rows * (out_row_bytes + lse_row_bytes);
+    TrimScratch();
     return stats;
+  }
+
+  // Scratch the lane keeps between launches, in bytes.
+  int64_t retained_bytes() const {
+    return static_cast<int64_t>(
+        (q_.capacity() + q_pe_.capacity() + k_.capacity() + v_.capacity()) * sizeof(bf16));
   }
 
  private:
   const CpuPool& pool_;
   const Op op_;
   cpu::ThreadPool& workers_;
+  // Scratch a large launch grew is given back after it, so one large call does not keep its
+  // memory for the life of the process (OutputBuffers does the same for the outputs); the steady
+  // state of ordinary calls allocates nothing.
+  void TrimScratch() {
+    if (retained_bytes() <= kRetainedScratchBytes) return;
+    for (std::vector<bf16>* v : {&q_, &q_pe_, &k_, &v_}) std::vector<bf16>().swap(*v);
+  }
+
   // Scratch reused across launches: the lane's steady state allocates nothing.
   MergedBatch merged_;
   std::vector<bf16> q_, q_pe_, k_, v_;
@@ -178,6 +215,28 @@ class CpuBackend final : public Backend {
         MapSharedMemory(spec, shm_name_prefix);
     if (!mapping.ok()) return mapping.status();
     return std::unique_ptr<MappedMemory>(*std::move(mapping));
+  }
+
+  absl::Status ScrubPages(int pool, absl::Span<const int32_t> pages) override {
+    if (pool < 0 || pool >= static_cast<int>(pools_.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("no pool number ", pool));
+    }
+    const PoolGeometry& g = pools_[pool]->geometry;
+    // Layout [layers, pages, page bytes]: runs of consecutive ids are one range per layer.
+    const size_t page_bytes = static_cast<size_t>(g.BytesPerPage() / g.num_layers);
+    const size_t layer_bytes = page_bytes * g.num_pages;
+    std::vector<int32_t> ids(pages.begin(), pages.end());
+    std::sort(ids.begin(), ids.end());
+    for (size_t i = 0; i < ids.size();) {
+      size_t j = i + 1;
+      while (j < ids.size() && ids[j] == ids[j - 1] + 1) ++j;
+      for (int layer = 0; layer < g.num_layers; ++layer) {
+        pools_[pool]->storage->Zero(layer * layer_bytes + ids[i] * page_bytes,
+                                    (j - i) * page_bytes);
+      }
+      i = j;
+    }
+    return absl::OkStatus();
   }
 
  private:

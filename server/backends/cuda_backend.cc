@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/cuda/api.h"
 #include "kernels/cuda/launch_plan.h"
 #include "server/backends/cuda_regions.h"
@@ -94,6 +95,11 @@ class StagingPair {
   }
   char* host() const { return static_cast<char*>(host_); }
   char* device() const { return static_cast<char*>(device_); }
+  // Gives the buffers back when they grew past `bytes` (a large launch), so one large call does
+  // not hold pinned and device memory for the life of the process.
+  void Trim(size_t bytes) {
+    if (capacity_ > bytes) Release();
+  }
 
  private:
   void Release() {
@@ -125,6 +131,7 @@ std::unique_ptr<OutputBuffers> PinnedOutputBuffers() {
 struct CudaPool {
   PoolGeometry geometry;
   void* storage = nullptr;  // one allocation for every layer and page
+  int32_t* scrub_ids = nullptr;  // [num_pages] device: the ids of one ScrubPages call
 };
 
 class CudaLane final : public Lane {
@@ -279,6 +286,9 @@ class CudaLane final : public Lane {
     stats.compute = absl::Microseconds(static_cast<int64_t>(ms * 1e3));
     stats.bytes_in = bytes_in;
     stats.bytes_out = bytes_out;
+    constexpr size_t kRetainedStagingBytes = size_t{64} << 20;
+    inputs_.Trim(kRetainedStagingBytes);
+    outputs_.Trim(kRetainedStagingBytes);
     return stats;
   }
 
@@ -351,8 +361,12 @@ class CudaBackend final : public Backend {
       : options_(std::move(options)), state_(options_.on_fatal_error) {}
 
   ~CudaBackend() override {
-    for (auto& pool : pools_) cudaFree(pool->storage);
+    for (auto& pool : pools_) {
+      cudaFree(pool->storage);
+      cudaFree(pool->scrub_ids);
+    }
     if (shared_stream_) cudaStreamDestroy(shared_stream_);
+    if (scrub_stream_) cudaStreamDestroy(scrub_stream_);
   }
 
   absl::Status Init() {
@@ -362,6 +376,7 @@ class CudaBackend final : public Backend {
       RETURN_IF_CUDA_ERROR(state_,
                            cudaStreamCreateWithFlags(&shared_stream_, cudaStreamNonBlocking));
     }
+    RETURN_IF_CUDA_ERROR(state_, cudaStreamCreateWithFlags(&scrub_stream_, cudaStreamNonBlocking));
     return absl::OkStatus();
   }
 
@@ -378,7 +393,32 @@ class CudaBackend final : public Backend {
     RETURN_IF_CUDA_ERROR(state_, cudaMalloc(&pool->storage, geometry.TotalBytes()));
     // Zeroed once, so attending over a slot nothing was appended to reads zeros, not garbage.
     RETURN_IF_CUDA_ERROR(state_, cudaMemset(pool->storage, 0, geometry.TotalBytes()));
+    RETURN_IF_CUDA_ERROR(state_, cudaMalloc(reinterpret_cast<void**>(&pool->scrub_ids),
+                                            geometry.num_pages * sizeof(int32_t)));
     pools_.push_back(std::move(pool));
+    return absl::OkStatus();
+  }
+
+  // One copy of the ids and one launch for the whole list, on a stream of its own, then a
+  // synchronize of that stream: a later launch on any lane, enqueued after this returns, runs
+  // after the zeros landed. Calls are serialized (one id buffer per pool); the H200 cost is in
+  // bench/RESULTS.md (scrub_bench).
+  absl::Status ScrubPages(int pool, absl::Span<const int32_t> pages) override {
+    if (pool < 0 || pool >= static_cast<int>(pools_.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("no pool number ", pool));
+    }
+    if (pages.empty()) return absl::OkStatus();
+    const CudaPool& p = *pools_[pool];
+    const PoolGeometry& g = p.geometry;
+    absl::MutexLock lock(&scrub_mu_);
+    RETURN_IF_CUDA_ERROR(state_, cudaSetDevice(options_.device));
+    RETURN_IF_CUDA_ERROR(state_,
+                         cudaMemcpyAsync(p.scrub_ids, pages.data(), pages.size() * sizeof(int32_t),
+                                         cudaMemcpyHostToDevice, scrub_stream_));
+    RETURN_IF_CUDA_ERROR(state_, cuda::ZeroPages(p.storage, g.num_layers, g.num_pages,
+                                                 g.BytesPerPage() / g.num_layers, p.scrub_ids,
+                                                 static_cast<int>(pages.size()), scrub_stream_));
+    RETURN_IF_CUDA_ERROR(state_, cudaStreamSynchronize(scrub_stream_));
     return absl::OkStatus();
   }
 
@@ -404,6 +444,8 @@ class CudaBackend final : public Backend {
   DeviceState state_;
   cudaDeviceProp props_{};
   cudaStream_t shared_stream_ = nullptr;  // only with options_.single_stream
+  absl::Mutex scrub_mu_;                  // one ScrubPages at a time
+  cudaStream_t scrub_stream_ = nullptr;
   std::vector<std::unique_ptr<CudaPool>> pools_;
 };
 

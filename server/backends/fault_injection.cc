@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 
 namespace attn {
 namespace {
@@ -26,6 +27,10 @@ class FaultyLane final : public Lane {
   absl::StatusOr<LaunchStats> Run(absl::Span<AttentionCall* const> calls) override {
     if (state_.poisoned.load()) {
       return absl::InternalError("injected fault: the device failed earlier");
+    }
+    if (state_.plan.kind == FaultPlan::Kind::kDelay) {
+      absl::SleepFor(absl::Milliseconds(state_.plan.delay_ms));
+      return inner_->Run(calls);
     }
     if (++state_.launches != state_.plan.at_launch) return inner_->Run(calls);
     if (state_.plan.kind == FaultPlan::Kind::kAllocation) {
@@ -56,6 +61,9 @@ class FaultyBackend final : public Backend {
   std::string name() const override { return inner_->name(); }
   std::string device() const override { return inner_->device(); }
   absl::Status AddPool(const PoolGeometry& geometry) override { return inner_->AddPool(geometry); }
+  absl::Status ScrubPages(int pool, absl::Span<const int32_t> pages) override {
+    return inner_->ScrubPages(pool, pages);
+  }
 
   absl::StatusOr<std::unique_ptr<Lane>> CreateLane(int pool, Op op) override {
     absl::StatusOr<std::unique_ptr<Lane>> lane = inner_->CreateLane(pool, op);
@@ -79,9 +87,14 @@ absl::StatusOr<FaultPlan> ParseFaultPlan(const std::string& text) {
       plan.kind = FaultPlan::Kind::kAllocation;
       return plan;
     }
+    if (parts[0] == "delay") {
+      plan.kind = FaultPlan::Kind::kDelay;
+      plan.delay_ms = plan.at_launch;
+      return plan;
+    }
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("inject_fault = '", text, "'; expected sticky:N or alloc:N with N >= 1"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "inject_fault = '", text, "'; expected sticky:N, alloc:N or delay:MS with N, MS >= 1"));
 }
 
 std::unique_ptr<Backend> InjectFaults(std::unique_ptr<Backend> backend, FaultPlan plan,

@@ -73,6 +73,13 @@ class Backend {
     (void)shm_name_prefix;
     return absl::UnimplementedError(absl::StrCat("the ", name(), " backend maps no regions"));
   }
+
+  // Zeroes every layer of the listed pages of pool number `pool` (distinct ids in range), so a
+  // page's next owner cannot read its previous owner's rows. Returns once every later launch,
+  // on any lane, sees the zeros. Called from handler threads, concurrently with launches, none
+  // of which uses these pages (the engine pins them to the caller meanwhile). Cheap by design:
+  // one launch for the whole list on the GPU, and madvise for whole OS pages on the CPU.
+  virtual absl::Status ScrubPages(int pool, absl::Span<const int32_t> pages) = 0;
 };
 
 }  // namespace attn

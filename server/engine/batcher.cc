@@ -4,6 +4,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 
 namespace attn {
@@ -52,7 +53,14 @@ absl::Status Batcher::Submit(std::unique_ptr<PendingCall> call) {
     return absl::ResourceExhaustedError(absl::StrCat(
         name_, " queue is full (", options_.max_queue_requests, " calls); retry later"));
   }
+  if (!queue_.empty() && queued_bytes_ + call->bytes > options_.max_queue_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        name_, " queue is full: its calls hold ", queued_bytes_, " bytes, this one ", call->bytes,
+        ", the limit (max_queue_bytes) is ", options_.max_queue_bytes, "; retry later"));
+  }
   queued_tokens_ += call->call.total_q;
+  queued_bytes_ += call->bytes;
+  queued_work_ += call->work;
   call->enqueued = absl::Now();
   queue_.push_back(std::move(call));
   return absl::OkStatus();
@@ -77,10 +85,22 @@ int64_t Batcher::launches() const {
   return launches_;
 }
 
+int Batcher::CancelQueued(const absl::Status& why) {
+  absl::MutexLock lock(&mu_);
+  return FailQueued(why);
+}
+
 absl::Duration Batcher::RetryHint() const {
   absl::MutexLock lock(&mu_);
-  const int64_t launches_ahead = queue_.size() / options_.max_batch_requests + 1;
-  return std::max(absl::Milliseconds(1), launches_ahead * last_launch_);
+  double per_work = seconds_per_work_;
+  double elapsed = 0;
+  if (running_work_ > 0) {
+    elapsed = absl::ToDoubleSeconds(absl::Now() - running_since_);
+    // The running launch has taken at least this long per unit so far.
+    per_work = std::max(per_work, elapsed / static_cast<double>(running_work_));
+  }
+  const double ahead = static_cast<double>(queued_work_ + running_work_) * per_work - elapsed;
+  return std::max(absl::Milliseconds(1), absl::Seconds(ahead));
 }
 
 bool Batcher::WaitForBatch() {
@@ -113,29 +133,36 @@ std::vector<std::unique_ptr<PendingCall>> Batcher::PopBatch() {
   // bounds it), several large ones together might not.
   int64_t pages = 0;
   constexpr int64_t kMaxMergedPages = std::numeric_limits<int32_t>::max();
+  // The work budget bounds a launch as it bounds a call: a lane is never held longer than one
+  // budget's worth (or one call's, which admission bounded), however many calls merge.
+  int64_t work = 0;
   while (!queue_.empty() && static_cast<int>(batch.size()) < options_.max_batch_requests) {
     PendingCall& next = *queue_.front();
     const int64_t next_pages = static_cast<int64_t>(next.call.kv_indices.size());
-    if (!batch.empty() && (!Mergeable(batch.front()->call, next.call) ||
-                           tokens + next.call.total_q > options_.max_batch_tokens ||
-                           pages + next_pages > kMaxMergedPages)) {
+    if (!batch.empty() &&
+        (!Mergeable(batch.front()->call, next.call) ||
+         tokens + next.call.total_q > options_.max_batch_tokens ||
+         pages + next_pages > kMaxMergedPages || work + next.work > options_.max_call_key_reads)) {
       break;
     }
     tokens += next.call.total_q;
     pages += next_pages;
+    work += next.work;
     queued_tokens_ -= next.call.total_q;
+    queued_bytes_ -= next.bytes;
+    queued_work_ -= next.work;
     batch.push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
   return batch;
 }
 
-void Batcher::FailQueued() {
-  for (std::unique_ptr<PendingCall>& p : queue_) {
-    Drop(*p, absl::UnavailableError("the server is shutting down"));
-  }
+int Batcher::FailQueued(const absl::Status& why) {
+  const int n = static_cast<int>(queue_.size());
+  for (std::unique_ptr<PendingCall>& p : queue_) Drop(*p, why);
   queue_.clear();
-  queued_tokens_ = 0;
+  queued_tokens_ = queued_bytes_ = queued_work_ = 0;
+  return n;
 }
 
 void Batcher::Loop() {
@@ -145,7 +172,8 @@ void Batcher::Loop() {
       absl::MutexLock lock(&mu_);
       if (!WaitForBatch()) return;
       if (stopping_) {
-        FailQueued();  // what is still queued never reaches the backend
+        // What is still queued never reaches the backend.
+        FailQueued(absl::UnavailableError("the server is shutting down"));
         return;
       }
       batch = PopBatch();
@@ -171,15 +199,30 @@ void Batcher::Launch(std::vector<std::unique_ptr<PendingCall>> batch) {
   if (calls.empty()) return;
 
   int tokens = 0;
-  for (const AttentionCall* c : calls) tokens += c->total_q;
+  int64_t work = 0;
+  absl::flat_hash_map<int64_t, int> per_session;  // calls of each session in the launch
+  for (const auto& p : live) {
+    tokens += p->call.total_q;
+    work += p->work;
+    ++per_session[p->session];
+  }
   if (observer_) {
     for (const auto& p : live) observer_->OnQueueWait(pool_, op_, now - p->enqueued);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    running_work_ = std::max<int64_t>(work, 1);
+    running_since_ = now;
   }
   absl::StatusOr<LaunchStats> stats = lane_->Run(absl::MakeConstSpan(calls));
   {
     absl::MutexLock lock(&mu_);
     ++launches_;
-    last_launch_ = absl::Now() - now;
+    const double per_work =
+        absl::ToDoubleSeconds(absl::Now() - now) / static_cast<double>(running_work_);
+    seconds_per_work_ =
+        seconds_per_work_ == 0 ? per_work : 0.75 * seconds_per_work_ + 0.25 * per_work;
+    running_work_ = 0;
   }
   if (stats.ok() && observer_) {
     observer_->OnLaunch(pool_, op_, static_cast<int>(calls.size()), tokens, *stats);
@@ -189,7 +232,7 @@ void Batcher::Launch(std::vector<std::unique_ptr<PendingCall>> batch) {
     report.enqueued = p->enqueued;
     report.launched = now;
     if (stats.ok()) report.launch = *stats;
-    report.batch_requests = static_cast<int>(calls.size());
+    report.batch_requests = per_session[p->session];
     report.batch_tokens = tokens;
     Complete(*p, stats.status(), report);
   }

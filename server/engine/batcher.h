@@ -31,6 +31,14 @@ struct BatchingOptions {
   int max_batch_requests = 64;
   int max_batch_tokens = 16384;  // a call with more tokens still runs, alone
   int max_queue_requests = 1024;
+  // Bytes the queued calls of one batcher may hold (their tensors and page tables); a call
+  // larger than this is still accepted into an empty queue.
+  int64_t max_queue_bytes = int64_t{512} << 20;
+  // Work budget of one call and of one launch: keys read, summed over sequences of
+  // q_len * kv_len (the causal mask not subtracted; a page named twice counts twice). The
+  // Engine refuses a call past it with INVALID_ARGUMENT; the batcher merges calls only while
+  // their sum stays within it. So one launch holds its lane for at most this much work.
+  int64_t max_call_key_reads = int64_t{1} << 30;
 };
 
 // What the batcher reports about a finished call.
@@ -39,6 +47,8 @@ struct CallReport {
   absl::Time launched = absl::InfinitePast();  // InfinitePast: never reached the backend
   absl::Time finished;
   LaunchStats launch;  // zero when the launch failed or never ran
+  // Calls of the caller's own session merged into its launch (itself included): calls of other
+  // sessions are other clients' business and are not counted.
   int batch_requests = 0;
   int batch_tokens = 0;
   // Set when the call was refused because its queue was full: how long the caller should wait
@@ -61,6 +71,9 @@ class BatchObserver {
 
 struct PendingCall {
   AttentionCall call;
+  int64_t session = 0;  // the call's session: what CallReport::batch_requests counts
+  int64_t work = 1;     // the call's cost, in any unit proportional to its time on the lane
+  int64_t bytes = 0;    // memory the call holds while it waits (counted by max_queue_bytes)
   absl::Time deadline = absl::InfiniteFuture();
   // Polled just before launch; true drops the call with CANCELLED.
   std::function<bool()> is_cancelled;
@@ -79,18 +92,22 @@ class Batcher {
   Batcher(const Batcher&) = delete;
   Batcher& operator=(const Batcher&) = delete;
 
-  // Queues a call. RESOURCE_EXHAUSTED (call.done not called) when the queue is full, UNAVAILABLE
-  // after Stop(). Never blocks on the backend.
+  // Queues a call. RESOURCE_EXHAUSTED (call.done not called) when the queue is full, in calls
+  // or in bytes; UNAVAILABLE after Stop(). Never blocks on the backend.
   absl::Status Submit(std::unique_ptr<PendingCall> call);
 
   // Completes the queued calls with UNAVAILABLE, waits for the running launch, joins the thread.
   void Stop();
+  // Completes the queued calls with `why` now (the running launch goes on); returns how many.
+  int CancelQueued(const absl::Status& why);
 
   int queued() const;
   int64_t launches() const;  // backend launches so far (merging makes this < calls)
 
   // How long a caller refused with RESOURCE_EXHAUSTED should wait before retrying: the time the
-  // launches ahead of it should take, at least a millisecond.
+  // work ahead of it should take (the queued calls' and what is left of the running launch's),
+  // from the lane's measured time per unit of work, at least a millisecond. A launch that has
+  // run longer than its estimate raises the estimate: a lane busy for seconds says seconds.
   absl::Duration RetryHint() const;
 
  private:
@@ -100,7 +117,7 @@ class Batcher {
   // Pops the next batch: a FIFO prefix of mutually mergeable calls within the limits.
   std::vector<std::unique_ptr<PendingCall>> PopBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Launch(std::vector<std::unique_ptr<PendingCall>> batch);
-  void FailQueued() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int FailQueued(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string pool_;
   const Op op_;
@@ -112,9 +129,14 @@ class Batcher {
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<PendingCall>> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t queued_work_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   int64_t launches_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Duration last_launch_ ABSL_GUARDED_BY(mu_);  // wall time of the latest launch
+  int64_t running_work_ ABSL_GUARDED_BY(mu_) = 0;  // of the launch in progress; 0: none
+  absl::Time running_since_ ABSL_GUARDED_BY(mu_);
+  // Wall time per unit of work of the recent launches (a moving average); 0: none yet.
+  double seconds_per_work_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };
 

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -303,6 +304,104 @@ TEST_F(BatcherTest, StopFailsQueuedCalls) {
   EXPECT_EQ(queued.status.code(), absl::StatusCode::kUnavailable);
   Outcome late;
   EXPECT_EQ(b->Submit(MakeCall(2, &late)).code(), absl::StatusCode::kUnavailable);
+}
+
+// A queue of large calls used to hold memory without bound (40 queued 8 MiB decodes: +630 MiB):
+// the bytes the queued calls hold are bounded too; a large call still enters an empty queue.
+TEST_F(BatcherTest, TheQueueIsBoundedInBytes) {
+  BatchingOptions o;
+  o.max_queue_bytes = 1000;
+  auto b = Start(o);
+  Outcome running, big, small, over, alone;
+  OccupyLane(*b, &running);
+  auto huge = MakeCall(1, &big);
+  huge->bytes = 5000;
+  ASSERT_TRUE(b->Submit(std::move(huge)).ok());  // the queue was empty
+  auto next = MakeCall(2, &small);
+  next->bytes = 1;
+  const absl::Status full = b->Submit(std::move(next));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.message().find("max_queue_bytes"), std::string::npos) << full;
+  Hold(false);
+  ASSERT_TRUE(big.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  auto fits = MakeCall(3, &alone);
+  fits->bytes = 900;
+  EXPECT_TRUE(b->Submit(std::move(fits)).ok());  // the queue's bytes went with the launch
+  ASSERT_TRUE(alone.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+}
+
+// The hint said 1 ms while the lane was busy for seconds: no launch had finished to measure.
+// Now the running launch's time so far counts: with as much work queued as running, the wait
+// ahead is at least the time the running launch has taken.
+TEST_F(BatcherTest, TheRetryHintCountsTheRunningLaunch) {
+  BatchingOptions o;
+  o.max_queue_requests = 1;
+  auto b = Start(o);
+  Outcome running, queued;
+  OccupyLane(*b, &running);
+  ASSERT_TRUE(b->Submit(MakeCall(1, &queued)).ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_GE(b->RetryHint(), absl::Milliseconds(300));
+  Hold(false);
+  ASSERT_TRUE(queued.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_EQ(b->RetryHint(), absl::Milliseconds(1));  // nothing ahead
+}
+
+// Timings.batch_requests used to tell a caller how many other tenants' calls shared its launch.
+TEST_F(BatcherTest, BatchRequestsCountsTheCallersSessionOnly) {
+  auto b = Start(BatchingOptions{});
+  Outcome running, a1, a2, other;
+  OccupyLane(*b, &running);
+  for (auto [outcome, session] : {std::pair{&a1, 1}, {&a2, 1}, {&other, 2}}) {
+    auto call = MakeCall(session, outcome);
+    call->session = session;
+    ASSERT_TRUE(b->Submit(std::move(call)).ok());
+  }
+  Hold(false);
+  for (Outcome* o : {&a1, &a2, &other}) {
+    ASSERT_TRUE(o->done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  }
+  EXPECT_EQ(Batches().back().size(), 3u);  // one launch served all three
+  EXPECT_EQ(a1.report.batch_requests, 2);
+  EXPECT_EQ(a2.report.batch_requests, 2);
+  EXPECT_EQ(other.report.batch_requests, 1);
+}
+
+// Merging stops at the work budget, so a launch is bounded as a call is.
+TEST_F(BatcherTest, MergedWorkStaysWithinTheBudget) {
+  BatchingOptions o;
+  o.max_call_key_reads = 100;
+  auto b = Start(o);
+  Outcome running, c[3];
+  OccupyLane(*b, &running);
+  for (int i = 0; i < 3; ++i) {
+    auto call = MakeCall(10 + i, &c[i]);
+    call->work = 40;
+    ASSERT_TRUE(b->Submit(std::move(call)).ok());
+  }
+  Hold(false);
+  for (Outcome& o : c) ASSERT_TRUE(o.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  const std::vector<std::vector<int>> batches = Batches();
+  ASSERT_EQ(batches.size(), 3u);  // the running call, then 40 + 40, then 40
+  EXPECT_EQ(batches[1], (std::vector<int>{10, 11}));
+  EXPECT_EQ(batches[2], (std::vector<int>{12}));
+}
+
+// Cancelling the queue (the drain's deadline) answers every queued call now, running or not.
+TEST_F(BatcherTest, CancelQueuedAnswersTheQueueAndLeavesTheRunningLaunch) {
+  auto b = Start(BatchingOptions{});
+  Outcome running, q1, q2;
+  OccupyLane(*b, &running);
+  ASSERT_TRUE(b->Submit(MakeCall(1, &q1)).ok());
+  ASSERT_TRUE(b->Submit(MakeCall(2, &q2, 1, 2.f)).ok());
+  EXPECT_EQ(b->CancelQueued(absl::UnavailableError("drain deadline")), 2);
+  EXPECT_TRUE(q1.done.HasBeenNotified() && q2.done.HasBeenNotified());
+  EXPECT_EQ(q1.status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_FALSE(running.done.HasBeenNotified());
+  Hold(false);
+  ASSERT_TRUE(running.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_TRUE(running.status.ok());
+  EXPECT_EQ(Batches().size(), 1u);
 }
 
 }  // namespace

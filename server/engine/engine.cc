@@ -6,17 +6,57 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "server/engine/client_text.h"
 #include "server/engine/status_macros.h"
 
 namespace attn {
 
-Engine::Engine(std::unique_ptr<Backend> backend, const SessionOptions& sessions, uint64_t epoch,
-               PageObserver* page_observer, const DataPlaneOptions& data_plane)
+Engine::Engine(std::unique_ptr<Backend> backend, const BatchingOptions& batching,
+               const SessionOptions& sessions, uint64_t epoch, PageObserver* page_observer,
+               const DataPlaneOptions& data_plane)
     : backend_(std::move(backend)),
+      batching_(batching),
       page_observer_(page_observer),
       sessions_(epoch, sessions),
       data_plane_(data_plane),
       regions_(data_plane.limits) {}
+
+namespace {
+
+// Keys the call reads, summed over its sequences: q_len * kv_len each (an upper bound of the
+// causal work; a page the table names twice is read twice).
+int64_t KeyReads(const AttentionCall& c, int page_size) {
+  const PagedBatch view{c.batch_size,
+                        c.total_q,
+                        c.qo_indptr.empty() ? nullptr : c.qo_indptr.data(),
+                        c.kv_indptr.data(),
+                        nullptr,
+                        c.kv_last_page_len.data(),
+                        nullptr};
+  int64_t reads = 0;
+  for (int b = 0; b < c.batch_size; ++b) {
+    const SeqExtent e = GetSeqExtent(view, page_size, b);
+    reads += int64_t{e.q_len} * e.kv_len;
+  }
+  return reads;
+}
+
+// The bytes a queued call holds in the server: its tensors that came in the message, the outputs
+// it sends back in the response, and its page table (tensors and outputs in the caller's regions
+// hold none of the server's memory).
+int64_t CallBytes(const AttentionCall& c, const RowShapes& rows) {
+  int64_t bytes = 0;
+  for (const CallInput* in : {&c.q, &c.q_pe, &c.k_new, &c.v_new}) {
+    if (in->present && !in->on_device() && !in->registered) bytes += in->bytes;
+  }
+  if (!c.out.in_region()) bytes += c.total_q * rows.out.elements() * int64_t{sizeof(bf16)};
+  if (c.return_lse && !c.lse.in_region()) bytes += c.total_q * int64_t{rows.lse} * 4;
+  const int64_t ints = static_cast<int64_t>(c.qo_indptr.size() + c.kv_indptr.size() +
+                                            c.kv_indices.size() + c.kv_last_page_len.size());
+  return bytes + ints * 4;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     std::unique_ptr<Backend> backend, std::vector<PoolGeometry> pools,
@@ -25,7 +65,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     const DataPlaneOptions& data_plane) {
   if (pools.empty()) return absl::InvalidArgumentError("no pools configured");
   std::unique_ptr<Engine> engine(
-      new Engine(std::move(backend), sessions, epoch, page_observer, data_plane));
+      new Engine(std::move(backend), batching, sessions, epoch, page_observer, data_plane));
   for (PoolGeometry& g : pools) {
     for (const auto& existing : engine->pools_) {
       if (existing->geometry.name == g.name) {
@@ -34,7 +74,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(
     }
     const int index = static_cast<int>(engine->pools_.size());
     ATTN_RETURN_IF_ERROR(engine->backend_->AddPool(g));
-    std::unique_ptr<Pool> pool(new Pool(std::move(g), page_observer));
+    std::unique_ptr<Pool> pool(new Pool(index, std::move(g), page_observer));
     for (Op op : {Op::kPrefill, Op::kDecode}) {
       ATTN_ASSIGN_OR_RETURN(std::unique_ptr<Lane> lane, engine->backend_->CreateLane(index, op));
       auto batcher = std::make_unique<Batcher>(pool->geometry.name, op, std::move(lane), batching,
@@ -68,11 +108,12 @@ Engine::~Engine() {
 // --- Sessions
 
 absl::StatusOr<SessionId> Engine::Resolve(const Caller& caller) {
-  return sessions_.Resolve(caller.session, caller.peer, absl::Now());
+  return sessions_.Resolve(caller.session, caller.principal, absl::Now());
 }
 
-OpenedSession Engine::OpenSession(absl::Duration lease, int max_pages) {
-  return sessions_.Open(lease, max_pages, absl::Now());
+absl::StatusOr<OpenedSession> Engine::OpenSession(absl::Duration lease, int max_pages,
+                                                  const Principal& owner) {
+  return sessions_.Open(lease, max_pages, owner, absl::Now());
 }
 
 absl::Status Engine::RenewLease(const Caller& caller) { return Resolve(caller).status(); }
@@ -85,10 +126,10 @@ int Engine::ReleaseLocked(absl::Span<const SessionId> ids, PageEvent why,
   return released;
 }
 
-absl::StatusOr<int> Engine::CloseSession(absl::string_view handle) {
+absl::StatusOr<int> Engine::CloseSession(absl::string_view handle, const Principal& who) {
   std::vector<std::shared_ptr<void>> unmap;  // regions, unmapped after the lock is released
   absl::MutexLock lock(&mu_);
-  ATTN_ASSIGN_OR_RETURN(const SessionId id, sessions_.Close(handle));
+  ATTN_ASSIGN_OR_RETURN(const SessionId id, sessions_.Close(handle, who));
   return ReleaseLocked(absl::MakeConstSpan(&id, 1), PageEvent::kClosed, &unmap);
 }
 
@@ -156,23 +197,38 @@ absl::StatusOr<std::vector<int32_t>> Engine::AllocatePages(absl::string_view poo
                                                            const Caller& caller, int num_pages) {
   if (draining()) return absl::UnavailableError("the server is draining; allocate elsewhere");
   ATTN_ASSIGN_OR_RETURN(Pool* const pool, FindPool(pool_name));
-  absl::MutexLock lock(&mu_);
-  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
-  const int total = pool->total_pages();
-  if (num_pages < 1 || num_pages > total) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_pages = ", num_pages, " is outside [1, ", total, "]"));
-  }
-  // The quota first (other sessions' pages are never touched), then the pool.
+  SessionId owner = 0;
+  std::vector<int32_t> to_scrub;  // pinned by Allocate until they are zeroed
   absl::StatusOr<std::vector<int32_t>> ids;
-  if (absl::Status quota = sessions_.Charge(owner, num_pages); !quota.ok()) {
-    ids = quota;
-  } else {
-    ids = pool->pages_.Allocate(num_pages, owner);
-    if (!ids.ok()) sessions_.Refund(owner, num_pages);
+  {
+    absl::MutexLock lock(&mu_);
+    ATTN_ASSIGN_OR_RETURN(owner, Resolve(caller));
+    const int total = pool->total_pages();
+    if (num_pages < 1 || num_pages > total) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_pages = ", num_pages, " is outside [1, ", total, "]"));
+    }
+    // The quota first (other sessions' pages are never touched), then the pool.
+    if (absl::Status quota = sessions_.Charge(owner, num_pages); !quota.ok()) {
+      ids = quota;
+    } else {
+      ids = pool->pages_.Allocate(num_pages, owner, &to_scrub);
+      if (!ids.ok()) sessions_.Refund(owner, num_pages);
+    }
   }
   if (absl::IsResourceExhausted(ids.status()) && page_observer_) {
     page_observer_->OnAllocationFailure(pool->geometry.name);
+  }
+  if (!ids.ok() || to_scrub.empty()) return ids;
+  // Outside mu_: other sessions allocate and free meanwhile. The pins keep these pages out of a
+  // concurrent close's hands until they are clean; the ids reach no one before that.
+  const absl::Status scrubbed = backend_->ScrubPages(pool->index_, to_scrub);
+  pool->pages_.Unpin(to_scrub);
+  if (!scrubbed.ok()) {
+    absl::MutexLock lock(&mu_);
+    // Unless the session closed meanwhile (which released them), the pages go back unused.
+    if (pool->pages_.Free(*ids, owner).ok()) sessions_.Refund(owner, num_pages);
+    return scrubbed;
   }
   return ids;
 }
@@ -200,11 +256,20 @@ absl::StatusOr<Engine::Pool*> Engine::FindPool(absl::string_view name) {
   std::vector<std::string> names;
   for (const auto& pool : pools_) names.push_back(pool->geometry.name);
   return absl::NotFoundError(
-      absl::StrCat("no pool '", name, "'; pools: ", absl::StrJoin(names, ", ")));
+      absl::StrCat("no pool '", ShownClientString(name), "'; pools: ", absl::StrJoin(names, ", ")));
 }
 
 absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, AttentionCall call,
                                         RegionUse regions) {
+  // The request alone decides this: refused before the session is looked at (or renewed).
+  const int64_t key_reads = KeyReads(call, pool.geometry.page_size);
+  if (key_reads > batching_.max_call_key_reads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the call reads ", key_reads,
+                     " keys (the sum over its sequences of q_len * kv_len); "
+                     "this server's limit is max_call_key_reads = ",
+                     batching_.max_call_key_reads, ": split the batch into several calls"));
+  }
   ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
   {
     absl::MutexLock lock(&drain_mu_);
@@ -213,6 +278,9 @@ absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, Attent
   }
   // From here on `admission` owns what has been taken: a refusal below gives it all back.
   Admission admission(this, &pool, std::move(call), std::move(regions));
+  admission.session_ = owner;
+  admission.work_ = key_reads + admission.call_.total_q;
+  admission.bytes_ = CallBytes(admission.call_, pool.geometry.rows());
   // Pinned pages cannot be freed or reclaimed until the call finishes.
   const AttentionCall& c = admission.call_;
   ATTN_RETURN_IF_ERROR(pool.pages_.Pin(c.kv_indices, owner, "kv_indices"));
@@ -230,6 +298,9 @@ void Engine::Submit(Admission admission, absl::Time deadline, std::function<bool
   pending->call = std::move(admission.call_);
   pending->deadline = deadline;
   pending->is_cancelled = std::move(is_cancelled);
+  pending->session = admission.session_;
+  pending->work = admission.work_;
+  pending->bytes = admission.bytes_;
   const Op op = pending->call.op;
   // std::function needs a copyable callable: the admission is shared by the copies, and the one
   // call of `finish` releases it.
@@ -271,6 +342,19 @@ bool Engine::WaitForIdle(absl::Time deadline) {
                                      deadline);
 }
 
+int Engine::CancelQueued(const absl::Status& why) {
+  int cancelled = 0;
+  for (auto& pool : pools_) {
+    for (Op op : {Op::kPrefill, Op::kDecode}) cancelled += pool->batcher(op).CancelQueued(why);
+  }
+  return cancelled;
+}
+
+int Engine::active_calls() const {
+  absl::MutexLock lock(&drain_mu_);
+  return active_calls_;
+}
+
 void Engine::EndCall() {
   absl::MutexLock lock(&drain_mu_);
   --active_calls_;
@@ -282,6 +366,9 @@ Admission::Admission(Admission&& other) noexcept
     : engine_(std::exchange(other.engine_, nullptr)),
       pool_(other.pool_),
       call_(std::move(other.call_)),
+      session_(other.session_),
+      work_(other.work_),
+      bytes_(other.bytes_),
       pinned_(std::exchange(other.pinned_, {})),
       locked_(std::move(other.locked_)),
       regions_(std::move(other.regions_)) {
@@ -294,6 +381,9 @@ Admission& Admission::operator=(Admission&& other) noexcept {
     engine_ = std::exchange(other.engine_, nullptr);
     pool_ = other.pool_;
     call_ = std::move(other.call_);
+    session_ = other.session_;
+    work_ = other.work_;
+    bytes_ = other.bytes_;
     pinned_ = std::exchange(other.pinned_, {});
     locked_ = std::move(other.locked_);
     other.locked_.clear();

@@ -34,10 +34,10 @@
 
 namespace attn {
 
-// Who makes a call: the session it names, or (no handle) the implicit session of its connection.
+// Who makes a call: the principal the RPC edge authenticated, and the session the call names.
 struct Caller {
-  std::string session;  // a handle from OpenSession; empty: the connection's implicit session
-  std::string peer;     // the connection (used only without a handle)
+  std::string session;  // a handle from OpenSession (required by every call that uses pages)
+  Principal principal;
 };
 
 class Admission;
@@ -55,10 +55,13 @@ class Engine {
    private:
     friend class Admission;
     friend class Engine;
-    Pool(PoolGeometry g, PageObserver* observer)
-        : geometry(std::move(g)), pages_(geometry.num_pages, geometry.name, observer) {}
+    Pool(int index, PoolGeometry g, PageObserver* observer)
+        : geometry(std::move(g)),
+          index_(index),
+          pages_(geometry.num_pages, geometry.name, observer) {}
     Batcher& batcher(Op op) { return op == Op::kPrefill ? *prefill_ : *decode_; }
 
+    const int index_;  // the backend's pool number
     PagePool pages_;
     AppendLocks appends_;  // pages unfinished calls append to
     std::unique_ptr<Batcher> prefill_;
@@ -79,18 +82,23 @@ class Engine {
       const DataPlaneOptions& data_plane = {});
   ~Engine();  // stops the reaper and the batchers (queued calls end UNAVAILABLE)
 
-  // --- Sessions (the contract is attention.proto's "Sessions and leases").
-  // lease and max_pages of 0 take the defaults; the lease is capped.
-  OpenedSession OpenSession(absl::Duration lease, int max_pages);
+  // --- Sessions (the contract is attention.proto's "Sessions and leases"). Only a session's
+  // owner (or an admin) may use it: PERMISSION_DENIED otherwise, and the lease is not renewed.
+  // lease and max_pages of 0 take the defaults; both are capped at the server's limits.
+  // RESOURCE_EXHAUSTED when the server holds its most sessions.
+  absl::StatusOr<OpenedSession> OpenSession(absl::Duration lease, int max_pages,
+                                            const Principal& owner);
   // Closes the session `handle` names and releases its pages; returns how many.
-  absl::StatusOr<int> CloseSession(absl::string_view handle);
-  // Renews the caller's lease (a first call of a connection opens its implicit session).
+  absl::StatusOr<int> CloseSession(absl::string_view handle, const Principal& who);
+  // Renews the caller's lease.
   absl::Status RenewLease(const Caller& caller);
   // Releases the pages of every session whose lease ran out by `now` (the reaper calls this).
   void ExpireSessions(absl::Time now);
 
   // --- Pages. The session's quota and the pool change together under mu_, so a session cannot
   // close or expire between the two (its new pages would belong to no one until a restart).
+  // Pages an earlier session held are zeroed (Backend::ScrubPages) before their ids are
+  // returned, outside mu_ and pinned meanwhile, so no one reads another owner's rows.
   // UNAVAILABLE while draining; INVALID_ARGUMENT for num_pages outside [1, pool size];
   // RESOURCE_EXHAUSTED past the quota or the free pages (nothing allocated).
   absl::StatusOr<std::vector<int32_t>> AllocatePages(absl::string_view pool, const Caller& caller,
@@ -116,14 +124,16 @@ class Engine {
   // --- Prefill and Decode.
   // The pool called `name`; an empty name selects the only pool when there is exactly one.
   absl::StatusOr<Pool*> FindPool(absl::string_view name);
-  // Admits a validated call of `pool`: renews the caller's lease, counts the call for the drain
-  // (UNAVAILABLE while draining), pins its page table (every page must be the caller's) and locks
-  // the pages it appends to (FAILED_PRECONDITION when another unfinished call appends there).
-  // All or nothing: a refused call holds nothing.
+  // Admits a validated call of `pool`: checks its work against the budget (INVALID_ARGUMENT past
+  // BatchingOptions::max_call_key_reads), renews the caller's lease, counts the call for the
+  // drain (UNAVAILABLE while draining), pins its page table (every page must be the caller's)
+  // and locks the pages it appends to (FAILED_PRECONDITION when another unfinished call appends
+  // there). All or nothing: a refused call holds nothing.
   absl::StatusOr<Admission> Admit(Pool& pool, const Caller& caller, AttentionCall call,
                                   RegionUse regions = {});
   // Queues an admitted call on its pool's batcher. `done` runs once, on the batcher thread, or
-  // here when the queue refuses the call (RESOURCE_EXHAUSTED when full, with retry_after).
+  // here when the queue refuses the call (RESOURCE_EXHAUSTED when full, in calls or in bytes,
+  // with retry_after).
   // `is_cancelled` is polled before the launch; a call past `deadline` is dropped.
   void Submit(Admission admission, absl::Time deadline, std::function<bool()> is_cancelled,
               Done done);
@@ -135,6 +145,10 @@ class Engine {
   void StartDrain();
   bool draining() const;
   bool WaitForIdle(absl::Time deadline);
+  // Ends every queued call with `why` (they never reach the backend); returns how many. Calls
+  // already running on a backend cannot be stopped: they end when their launch does.
+  int CancelQueued(const absl::Status& why);
+  int active_calls() const;  // admitted calls not yet over
 
   uint64_t epoch() const { return sessions_.epoch(); }
   absl::Duration default_lease() const { return sessions_.default_lease(); }
@@ -145,8 +159,9 @@ class Engine {
  private:
   friend class Admission;
 
-  Engine(std::unique_ptr<Backend> backend, const SessionOptions& sessions, uint64_t epoch,
-         PageObserver* page_observer, const DataPlaneOptions& data_plane);
+  Engine(std::unique_ptr<Backend> backend, const BatchingOptions& batching,
+         const SessionOptions& sessions, uint64_t epoch, PageObserver* page_observer,
+         const DataPlaneOptions& data_plane);
   absl::StatusOr<SessionId> Resolve(const Caller& caller);
   // Releases the sessions' pages in every pool and their regions (into `unmap`, for the caller
   // to destroy outside the lock); returns how many pages.
@@ -155,6 +170,7 @@ class Engine {
   void EndCall();  // an admitted call is over (the drain count)
 
   std::unique_ptr<Backend> backend_;
+  const BatchingOptions batching_;
   PageObserver* const page_observer_;
   std::vector<std::unique_ptr<Pool>> pools_;
   // Held across every change of sessions together with pages: allocation and free with their
@@ -200,6 +216,9 @@ class Admission {
   Engine* engine_ = nullptr;  // null: holds nothing (released or moved from)
   Engine::Pool* pool_ = nullptr;
   AttentionCall call_;
+  SessionId session_ = 0;
+  int64_t work_ = 0;   // key reads + query rows: what the batcher estimates its time from
+  int64_t bytes_ = 0;  // the call's tensors and page table: what it holds while queued
   absl::Span<const int32_t> pinned_;  // views into the request, as call_.kv_indices
   std::vector<int64_t> locked_;       // AppendKeys
   RegionUse regions_;                 // the regions the call reads or writes

@@ -3,10 +3,13 @@
 // so calls stay in flight exactly as long as a test needs.
 #include "server/engine/engine.h"
 
+#include <algorithm>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -24,6 +27,9 @@ struct Gate {
   bool hold ABSL_GUARDED_BY(mu) = false;
   int running ABSL_GUARDED_BY(mu) = 0;
   int launches ABSL_GUARDED_BY(mu) = 0;
+  std::vector<std::pair<int, int32_t>> scrubbed ABSL_GUARDED_BY(mu);  // (pool, page)
+  int pinned_while_scrubbing ABSL_GUARDED_BY(mu) = 0;
+  bool scrub_fails ABSL_GUARDED_BY(mu) = false;
 
   void Hold(bool h) {
     absl::MutexLock lock(&mu);
@@ -82,6 +88,15 @@ class GateBackend final : public Backend {
                                                           absl::string_view) override {
     return std::unique_ptr<MappedMemory>(new HeapRegion(spec.size));
   }
+  // Records what it is asked to zero (pool number, page ids), and how many of them were pinned
+  // while it ran (all of them must be, so no close can free them under the scrub).
+  absl::Status ScrubPages(int pool, absl::Span<const int32_t> pages) override {
+    absl::MutexLock lock(&gate_->mu);
+    for (int32_t id : pages) gate_->scrubbed.emplace_back(pool, id);
+    if (pinned_pages) gate_->pinned_while_scrubbing += pinned_pages(pool);
+    return gate_->scrub_fails ? absl::InternalError("scrub failed") : absl::OkStatus();
+  }
+  std::function<int(int)> pinned_pages;
 
  private:
   Gate* gate_;
@@ -157,14 +172,22 @@ class EngineTest : public ::testing::Test {
     DataPlaneOptions data_plane;
     data_plane.shared_memory = true;  // CUDA IPC stays off
     data_plane.limits.max_regions_per_session = 2;
-    auto engine = Engine::Create(std::make_unique<GateBackend>(&gate_), std::move(pools), batching,
-                                 sessions, /*epoch=*/7, nullptr, &observer_, data_plane);
+    auto backend = std::make_unique<GateBackend>(&gate_);
+    GateBackend* gate_backend = backend.get();
+    auto engine = Engine::Create(std::move(backend), std::move(pools), batching, sessions,
+                                 /*epoch=*/7, nullptr, &observer_, data_plane);
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = *std::move(engine);
+    gate_backend->pinned_pages = [this](int pool) {
+      return engine_->pools()[pool]->pages().pinned_pages();
+    };
   }
 
-  Caller Open(int max_pages = 0, absl::Duration lease = absl::ZeroDuration()) {
-    return Caller{engine_->OpenSession(lease, max_pages).handle, ""};
+  Caller Open(int max_pages = 0, absl::Duration lease = absl::ZeroDuration(),
+              const Principal& who = Principal{"token:alice"}) {
+    absl::StatusOr<OpenedSession> s = engine_->OpenSession(lease, max_pages, who);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return Caller{s.ok() ? s->handle : "", who};
   }
   std::vector<int32_t> Allocate(const Caller& who, int n, const std::string& pool = "gqa") {
     absl::StatusOr<std::vector<int32_t>> ids = engine_->AllocatePages(pool, who, n);
@@ -173,15 +196,26 @@ class EngineTest : public ::testing::Test {
   }
   Engine::Pool& Pool(const std::string& name = "gqa") { return **engine_->FindPool(name); }
 
-  // A decode over `pages` (one sequence); appending to its last page when `append`.
+  // A decode over `pages` (one sequence of full pages, page size 4); appending to its last page
+  // when `append`.
   static AttentionCall Decode(const std::vector<int32_t>& pages, bool append) {
     AttentionCall c;
     c.op = Op::kDecode;
     c.batch_size = 1;
     c.total_q = 1;
     c.kv_indices = pages;
+    c.kv_indptr = Indptr(static_cast<int32_t>(pages.size()));
+    c.kv_last_page_len = {4};
     if (append && !pages.empty()) c.append_pages = {AppendKey(pages.back(), 0)};
     return c;
+  }
+  // [0, n], kept alive for the calls that view it.
+  static absl::Span<const int32_t> Indptr(int32_t n) {
+    static absl::Mutex mu(absl::kConstInit);
+    static auto* kept = new std::map<int32_t, std::vector<int32_t>>();
+    absl::MutexLock lock(&mu);
+    auto [it, inserted] = kept->try_emplace(n, std::vector<int32_t>{0, n});
+    return it->second;
   }
   absl::StatusOr<Admission> Admit(const Caller& who, const std::vector<int32_t>& pages,
                                   bool append = false, const std::string& pool = "gqa") {
@@ -231,7 +265,7 @@ TEST_F(EngineTest, AFullPoolRefundsTheQuotaItCharged) {
   const Caller b = Open();
   Allocate(b, kGqaPages - 2);
   EXPECT_EQ(engine_->AllocatePages("gqa", a, 4).status().code(), StatusCode::kResourceExhausted);
-  ASSERT_TRUE(engine_->CloseSession(b.session).ok());
+  ASSERT_TRUE(engine_->CloseSession(b.session, b.principal).ok());
   // Had the refused call kept its charge, a would now be 4 pages short of its quota.
   EXPECT_EQ(Allocate(a, kGqaPages).size(), static_cast<size_t>(kGqaPages));
   ExpectBalanced();
@@ -240,8 +274,10 @@ TEST_F(EngineTest, AFullPoolRefundsTheQuotaItCharged) {
 TEST_F(EngineTest, AllocationErrorsComeInTheServicesOrder) {
   const Caller a = Open();
   EXPECT_EQ(engine_->AllocatePages("nope", a, 1).status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(engine_->AllocatePages("gqa", Caller{"garbage", ""}, 1).status().code(),
+  EXPECT_EQ(engine_->AllocatePages("gqa", Caller{"garbage", a.principal}, 1).status().code(),
             StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->AllocatePages("gqa", Caller{"", a.principal}, 1).status().code(),
+            StatusCode::kInvalidArgument);  // no implicit session
   EXPECT_EQ(engine_->AllocatePages("gqa", a, 0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(engine_->AllocatePages("gqa", a, kGqaPages + 1).status().code(),
             StatusCode::kInvalidArgument);
@@ -249,25 +285,100 @@ TEST_F(EngineTest, AllocationErrorsComeInTheServicesOrder) {
   EXPECT_EQ(engine_->AllocatePages("nope", a, 0).status().code(), StatusCode::kUnavailable);
 }
 
-TEST_F(EngineTest, ImplicitSessionsBelongToTheirConnection) {
-  const Caller here{"", "ipv4:127.0.0.1:1"}, there{"", "ipv4:127.0.0.1:2"};
-  const std::vector<int32_t> mine = Allocate(here, 2);
-  EXPECT_EQ(Admit(there, mine).status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(engine_->FreePages("gqa", there, mine).status().code(),
-            StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(engine_->FreePages("gqa", here, mine).ok());
+// The handle alone is not enough: another principal holding it (a leaked or guessed handle)
+// can neither use, free, renew nor close the session; an admin can.
+TEST_F(EngineTest, ASessionServesOnlyItsPrincipalAndAdmins) {
+  const Caller alice = Open(0, absl::Seconds(5));
+  const std::vector<int32_t> mine = Allocate(alice, 2);
+  const Caller mallory{alice.session, Principal{"token:mallory"}};
+  EXPECT_EQ(Admit(mallory, mine).status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(engine_->FreePages("gqa", mallory, mine).status().code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_EQ(engine_->AllocatePages("gqa", mallory, 1).status().code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_EQ(engine_->RenewLease(mallory).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(engine_->CloseSession(alice.session, mallory.principal).status().code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_EQ(Pool().free_pages(), kGqaPages - 2);
+  const Caller ops{alice.session, Principal{"token:ops", /*admin=*/true}};
+  EXPECT_TRUE(Admit(ops, mine).ok());
+  absl::StatusOr<int> freed = engine_->CloseSession(alice.session, ops.principal);
+  ASSERT_TRUE(freed.ok()) << freed.status();
+  EXPECT_EQ(*freed, 2);
+  ExpectBalanced();
+}
+
+// Pages go to a new owner zeroed: the first allocation of a page needs nothing (storage starts
+// zeroed), a page an earlier session held is scrubbed before its id is returned, while pinned.
+TEST_F(EngineTest, ReusedPagesAreScrubbedBeforeTheNewOwnerGetsThem) {
+  const Caller a = Open(), b = Open(0, absl::ZeroDuration(), Principal{"token:bob"});
+  const std::vector<int32_t> first = Allocate(a, 3);
+  Allocate(a, 2, "mla");
+  {
+    absl::MutexLock lock(&gate_.mu);
+    EXPECT_TRUE(gate_.scrubbed.empty());
+  }
+  ASSERT_TRUE(engine_->FreePages("gqa", a, {first[0], first[2]}).ok());
+  ASSERT_TRUE(engine_->CloseSession(a.session, a.principal).ok());  // the mla pages too
+  // b asks for more pages than were used: only the used ones are scrubbed.
+  const std::vector<int32_t> reused = Allocate(b, kGqaPages);
+  Allocate(b, kMlaPages, "mla");
+  absl::MutexLock lock(&gate_.mu);
+  std::vector<std::pair<int, int32_t>> expected = {
+      {0, first[0]}, {0, first[1]}, {0, first[2]}, {1, 0}, {1, 1}};
+  std::sort(gate_.scrubbed.begin(), gate_.scrubbed.end());
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(gate_.scrubbed, expected);
+  EXPECT_EQ(gate_.pinned_while_scrubbing, 5);  // each list pinned while it was zeroed
+  EXPECT_EQ(Pool().pages().pinned_pages(), 0);
+}
+
+TEST_F(EngineTest, AFailedScrubAllocatesNothing) {
+  const Caller a = Open(/*max_pages=*/4);
+  const std::vector<int32_t> pages = Allocate(a, 4);
+  ASSERT_TRUE(engine_->FreePages("gqa", a, pages).ok());
+  {
+    absl::MutexLock lock(&gate_.mu);
+    gate_.scrub_fails = true;
+  }
+  EXPECT_EQ(engine_->AllocatePages("gqa", a, 4).status().code(), StatusCode::kInternal);
+  EXPECT_EQ(Pool().free_pages(), kGqaPages);
+  EXPECT_EQ(Pool().pages().pinned_pages(), 0);
+  {
+    absl::MutexLock lock(&gate_.mu);
+    gate_.scrub_fails = false;
+  }
+  EXPECT_EQ(Allocate(a, 4).size(), 4u);  // the quota was refunded
+  ExpectBalanced();
+}
+
+// A page table may name one page many times: without a budget, the owner of one page could
+// hold a lane for as long as it liked. The budget refuses the call before its session is
+// looked at (so not renewed), and bounds merged launches the same way.
+TEST_F(EngineTest, CallsOverTheWorkBudgetAreRefused) {
+  BatchingOptions batching;
+  batching.max_call_key_reads = 4 * 100;  // 100 pages of 4 tokens, one query row
+  Start(batching);
+  const Caller a = Open();
+  const std::vector<int32_t> one = Allocate(a, 1);
+  EXPECT_TRUE(Admit(a, std::vector<int32_t>(100, one[0])).ok());
+  const absl::Status over = Admit(a, std::vector<int32_t>(101, one[0])).status();
+  EXPECT_EQ(over.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(over.message().find("max_call_key_reads = 400"), std::string::npos) << over;
+  EXPECT_NE(over.message().find("404"), std::string::npos) << over;
+  EXPECT_EQ(Pool().pages().pinned_pages(), 0);
 }
 
 TEST_F(EngineTest, CloseSessionReleasesItsPagesInEveryPool) {
   const Caller a = Open();
   Allocate(a, 3);
   Allocate(a, 2, "mla");
-  absl::StatusOr<int> freed = engine_->CloseSession(a.session);
+  absl::StatusOr<int> freed = engine_->CloseSession(a.session, a.principal);
   ASSERT_TRUE(freed.ok()) << freed.status();
   EXPECT_EQ(*freed, 5);
   EXPECT_EQ(Pool().free_pages(), kGqaPages);
   EXPECT_EQ(Pool("mla").free_pages(), kMlaPages);
-  EXPECT_EQ(engine_->CloseSession(a.session).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine_->CloseSession(a.session, a.principal).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(engine_->AllocatePages("gqa", a, 1).status().code(), StatusCode::kNotFound);
   EXPECT_EQ(observer_.reclaimed("gqa"), 0);  // a close is not a reclaim
   ExpectBalanced();
@@ -326,8 +437,9 @@ TEST_F(EngineTest, ARefusedAdmissionHoldsNothing) {
   // A page of another session, after one of its own: the first page is not left pinned.
   EXPECT_EQ(Admit(a, {mine[0], theirs[0]}).status().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(Admit(a, {mine[0], kGqaPages}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(Admit(Caller{"0000000000000007-" + std::string(32, '9'), ""}, mine).status().code(),
-            StatusCode::kNotFound);
+  EXPECT_EQ(
+      Admit(Caller{"0000000000000007-" + std::string(32, '9'), a.principal}, mine).status().code(),
+      StatusCode::kNotFound);
   absl::StatusOr<Admission> appending = Admit(a, mine, /*append=*/true);
   ASSERT_TRUE(appending.ok());
   EXPECT_EQ(Admit(a, mine, /*append=*/true).status().code(), StatusCode::kFailedPrecondition);
@@ -401,7 +513,7 @@ TEST_F(EngineTest, RegionsBelongToTheirSessionAndGoWithIt) {
   ASSERT_TRUE(engine_->RegisterRegion(a, "second", Shm("/attnserve-b")).ok());
   EXPECT_EQ(engine_->RegisterRegion(a, "third", Shm("/attnserve-c")).status().code(),
             StatusCode::kResourceExhausted);  // the server's limit of 2
-  ASSERT_TRUE(engine_->CloseSession(a.session).ok());
+  ASSERT_TRUE(engine_->CloseSession(a.session, a.principal).ok());
   EXPECT_EQ(engine_->ListRegions(a).status().code(), StatusCode::kNotFound);
   ASSERT_TRUE(engine_->RegisterRegion(b, "arena", Shm("/attnserve-a")).ok());
   RegionSpec ipc = Shm("");
@@ -513,8 +625,8 @@ TEST_F(EngineTest, AllocationRacingCloseAndExpiryLosesNoPage) {
   constexpr int kAllocators = 3;
   for (int round = 0; round < kRounds; ++round) {
     const bool expire = round % 2 == 1;
-    const OpenedSession s = engine_->OpenSession(absl::Seconds(1), 0);
-    const Caller who{s.handle, ""};
+    const OpenedSession s = *engine_->OpenSession(absl::Seconds(1), 0, Principal{});
+    const Caller who{s.handle, Principal{}};
     absl::Notification go;
     std::vector<std::thread> allocators;
     for (int t = 0; t < kAllocators; ++t) {
@@ -543,7 +655,7 @@ TEST_F(EngineTest, AllocationRacingCloseAndExpiryLosesNoPage) {
       if (expire) {
         engine_->ExpireSessions(absl::Now() + absl::Seconds(2));
       } else {
-        ASSERT_TRUE(engine_->CloseSession(who.session).ok());
+        ASSERT_TRUE(engine_->CloseSession(who.session, who.principal).ok());
       }
     });
     go.Notify();

@@ -12,7 +12,8 @@ PagePool::PagePool(int num_pages, std::string name, PageObserver* observer)
       name_(std::move(name)),
       observer_(observer),
       owner_(num_pages, 0),
-      pins_(num_pages, 0) {
+      pins_(num_pages, 0),
+      used_before_(num_pages, false) {
   free_list_.reserve(num_pages);
   for (int id = num_pages - 1; id >= 0; --id) free_list_.push_back(id);
 }
@@ -39,7 +40,8 @@ void PagePool::ReportLocked(PageEvent event, int pages) const {
       PageChange{name_, event, pages, static_cast<int>(free_list_.size()), num_pages_});
 }
 
-absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int num_pages, SessionId owner) {
+absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int num_pages, SessionId owner,
+                                                        std::vector<int32_t>* to_scrub) {
   if (num_pages < 1 || num_pages > total_pages()) {
     return absl::InvalidArgumentError(absl::StrCat("num_pages = ", num_pages,
                                                    " is outside [1, ", total_pages(), "]"));
@@ -52,7 +54,14 @@ absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int num_pages, SessionId
   }
   std::vector<int32_t> ids(free_list_.end() - num_pages, free_list_.end());
   free_list_.resize(free_list_.size() - num_pages);
-  for (int32_t id : ids) owner_[id] = owner;
+  for (int32_t id : ids) {
+    owner_[id] = owner;
+    if (to_scrub != nullptr && used_before_[id]) {
+      to_scrub->push_back(id);
+      ++pins_[id];
+    }
+    used_before_[id] = true;
+  }
   ReportLocked(PageEvent::kAllocated, num_pages);
   return ids;
 }

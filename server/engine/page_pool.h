@@ -36,7 +36,12 @@ class PagePool {
 
   // num_pages distinct free ids, now owned by `owner`. INVALID_ARGUMENT for num_pages < 1 or
   // above the pool's size, RESOURCE_EXHAUSTED when fewer pages are free.
-  absl::StatusOr<std::vector<int32_t>> Allocate(int num_pages, SessionId owner);
+  // With `to_scrub`, the ids among them that were allocated before (an earlier owner may have
+  // written them) are added to it and pinned: the caller zeroes their storage, then Unpins them
+  // (so a close meanwhile cannot free them while the scrub runs). Pages never allocated are
+  // zero already (the backend zeroes storage at start).
+  absl::StatusOr<std::vector<int32_t>> Allocate(int num_pages, SessionId owner,
+                                                std::vector<int32_t>* to_scrub = nullptr);
 
   // Frees pages of `owner`: INVALID_ARGUMENT for an id out of range or listed twice,
   // FAILED_PRECONDITION for an id that is not allocated, is another session's, or is in use by
@@ -82,6 +87,7 @@ class PagePool {
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);
   std::vector<SessionId> owner_ ABSL_GUARDED_BY(mu_);  // [num_pages_]: 0 = free
   std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);     // [num_pages_]
+  std::vector<bool> used_before_ ABSL_GUARDED_BY(mu_);  // [num_pages_]: allocated at least once
 };
 
 // The pages unfinished calls append to, per layer (AppendKey). Two calls appending to the same

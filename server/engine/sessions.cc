@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "server/engine/client_text.h"
 
 namespace attn {
 
@@ -41,15 +42,6 @@ std::string RandomSecret() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
-// A client's handle as error messages show it: escaped, and at most 64 bytes of it (the message
-// must not grow with the request).
-std::string ShownHandle(absl::string_view handle) {
-  constexpr size_t kMaxShown = 64;
-  if (handle.size() <= kMaxShown) return absl::CHexEscape(handle);
-  return absl::StrCat(absl::CHexEscape(handle.substr(0, kMaxShown)), "... (", handle.size(),
-                      " bytes)");
-}
-
 }  // namespace
 
 // Handles are "<epoch: 16 hex digits>-<secret: 32 hex digits>", lowercase, nothing else: one
@@ -59,14 +51,14 @@ absl::StatusOr<absl::string_view> SessionTable::ParseHandle(absl::string_view ha
   if (handle.size() != kHandleSize || handle[kEpochDigits] != '-' ||
       !IsLowerHex(handle.substr(0, kEpochDigits)) || !IsLowerHex(handle.substr(kEpochDigits + 1)) ||
       !absl::SimpleHexAtoi(handle.substr(0, kEpochDigits), &epoch)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session '", ShownHandle(handle), "' is not a session handle of this server"));
+    return absl::InvalidArgumentError(absl::StrCat("session '", ShownClientString(handle),
+                                                   "' is not a session handle of this server"));
   }
   if (epoch != epoch_) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "session '%s' is from server epoch %016x; this server (epoch %016x) restarted since and "
         "holds none of its pages",
-        handle, epoch, epoch_));
+        ShownClientString(handle), epoch, epoch_));
   }
   return handle.substr(kEpochDigits + 1);
 }
@@ -75,56 +67,72 @@ std::string SessionTable::Handle(const std::string& secret) const {
   return absl::StrCat(absl::Hex(epoch_, absl::kZeroPad16), "-", secret);
 }
 
-OpenedSession SessionTable::Open(absl::Duration lease, int max_pages, absl::Time now) {
+absl::StatusOr<OpenedSession> SessionTable::Open(absl::Duration lease, int max_pages,
+                                                 const Principal& owner, absl::Time now) {
   if (lease <= absl::ZeroDuration()) lease = options_.default_lease;
   lease = std::min(lease, options_.max_lease);
-  if (max_pages <= 0) max_pages = options_.default_max_pages;
+  // The server's limit is the ceiling of every quota, and the quota of a session asking none.
+  if (options_.max_pages > 0 && (max_pages <= 0 || max_pages > options_.max_pages)) {
+    max_pages = options_.max_pages;
+  }
+  max_pages = std::max(max_pages, 0);
   std::string secret = RandomSecret();
   absl::MutexLock lock(&mu_);
+  if (static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the server has ", sessions_.size(),
+                     " open sessions, its limit (max_sessions); close "
+                     "sessions that are no longer used"));
+  }
   const SessionId id = next_id_++;
   by_secret_[secret] = id;
-  sessions_[id] = Session{lease, now, max_pages, 0, "", secret};
+  sessions_[id] = Session{lease, now, max_pages, 0, owner.name, secret};
   return OpenedSession{id, Handle(secret), lease, max_pages};
 }
 
-absl::StatusOr<SessionId> SessionTable::Resolve(absl::string_view handle, absl::string_view peer,
-                                                absl::Time now) {
-  if (!handle.empty()) {
-    absl::StatusOr<absl::string_view> secret = ParseHandle(handle);
-    if (!secret.ok()) return secret.status();
-    absl::MutexLock lock(&mu_);
-    auto it = by_secret_.find(*secret);
-    if (it == by_secret_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "session '", handle, "' is closed or its lease expired; its pages were freed"));
-    }
-    sessions_[it->second].last_seen = now;
-    return it->second;
+absl::StatusOr<SessionId> SessionTable::FindLocked(absl::string_view handle,
+                                                   absl::string_view secret,
+                                                   const Principal& who) const {
+  auto it = by_secret_.find(secret);
+  if (it == by_secret_.end()) {
+    return absl::NotFoundError(absl::StrCat("session '", ShownClientString(handle),
+                                            "' is closed or its lease expired; its pages were "
+                                            "freed"));
   }
-  absl::MutexLock lock(&mu_);
-  auto [slot, inserted] = by_peer_.try_emplace(std::string(peer), 0);
-  if (inserted) {
-    slot->second = next_id_++;
-    sessions_[slot->second] =
-        Session{options_.default_lease, now, options_.default_max_pages, 0, std::string(peer)};
-  } else {
-    sessions_[slot->second].last_seen = now;
+  if (!who.admin && sessions_.at(it->second).owner != who.name) {
+    // The owner's name is not disclosed: the caller learns only that it may not use this one.
+    return absl::PermissionDeniedError(absl::StrCat(
+        "session '", ShownClientString(handle),
+        "' belongs to another principal; only the token or client certificate that opened it "
+        "(or an admin token) may use it"));
   }
-  return slot->second;
+  return it->second;
 }
 
-absl::StatusOr<SessionId> SessionTable::Close(absl::string_view handle) {
+absl::StatusOr<SessionId> SessionTable::Resolve(absl::string_view handle, const Principal& who,
+                                                absl::Time now) {
+  if (handle.empty()) {
+    return absl::InvalidArgumentError(
+        "session is empty: every call that uses pages names a session from OpenSession");
+  }
   absl::StatusOr<absl::string_view> secret = ParseHandle(handle);
   if (!secret.ok()) return secret.status();
   absl::MutexLock lock(&mu_);
-  auto it = by_secret_.find(*secret);
-  if (it == by_secret_.end()) {
-    return absl::NotFoundError(absl::StrCat("session '", handle, "' is already closed"));
-  }
-  const SessionId id = it->second;
-  by_secret_.erase(it);
-  sessions_.erase(id);
+  absl::StatusOr<SessionId> id = FindLocked(handle, *secret, who);
+  if (id.ok()) sessions_[*id].last_seen = now;  // only a call that may use it renews it
   return id;
+}
+
+absl::StatusOr<SessionId> SessionTable::Close(absl::string_view handle, const Principal& who) {
+  if (handle.empty()) return absl::InvalidArgumentError("session is empty: name the one to close");
+  absl::StatusOr<absl::string_view> secret = ParseHandle(handle);
+  if (!secret.ok()) return secret.status();
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<SessionId> id = FindLocked(handle, *secret, who);
+  if (!id.ok()) return id.status();
+  by_secret_.erase(*secret);
+  sessions_.erase(*id);
+  return *id;
 }
 
 std::vector<SessionId> SessionTable::Expire(absl::Time now) {
@@ -137,8 +145,7 @@ std::vector<SessionId> SessionTable::Expire(absl::Time now) {
       continue;
     }
     expired.push_back(it->first);
-    if (!s.peer.empty()) by_peer_.erase(s.peer);
-    if (!s.secret.empty()) by_secret_.erase(s.secret);
+    by_secret_.erase(s.secret);
     sessions_.erase(it++);
   }
   return expired;

@@ -40,6 +40,7 @@ absl::StatusOr<Authorizer> Authorizer::Create(
     }
     Grant grant;
     grant.name = t.name();
+    grant.admin = t.admin();
     for (const std::string& method : t.methods()) {
       if (method == "*") {
         grant.all_methods = true;
@@ -58,9 +59,9 @@ absl::StatusOr<Authorizer> Authorizer::Create(
   return a;
 }
 
-absl::Status Authorizer::Check(absl::string_view authorization,
-                               absl::string_view method) const {
-  if (!enabled()) return absl::OkStatus();
+absl::StatusOr<Principal> Authorizer::Authenticate(absl::string_view authorization,
+                                                   absl::string_view method) const {
+  if (!enabled()) return Principal{};
   constexpr absl::string_view kBearer = "Bearer ";
   if (!absl::StartsWithIgnoreCase(authorization, kBearer)) {
     return absl::UnauthenticatedError(
@@ -73,7 +74,7 @@ absl::Status Authorizer::Check(absl::string_view authorization,
     return absl::PermissionDeniedError(
         absl::StrCat("token '", g.name, "' may not call ", method));
   }
-  return absl::OkStatus();
+  return Principal{absl::StrCat("token:", g.name), g.admin};
 }
 
 }  // namespace attn

@@ -1,8 +1,9 @@
 // Bearer-token authorization of AttentionService calls, with per-method permissions.
 //
 // Tokens come from the server config (attnserve.v1.AccessToken: the token or a file holding it,
-// and the methods it may call, "*" for all). With no tokens configured every call is allowed.
-// Thread safe after construction.
+// the methods it may call, "*" for all, and whether it is an admin). With no tokens configured
+// every call is allowed. A token's name is the principal its calls act as: the owner of the
+// sessions it opens (server/engine/sessions.h). Thread safe after construction.
 #pragma once
 
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attnserve/v1/server_config.pb.h"
+#include "server/engine/sessions.h"
 
 namespace attn {
 
@@ -24,13 +26,19 @@ class Authorizer {
 
   bool enabled() const { return !tokens_.empty(); }
 
-  // `authorization`: the call's "authorization" metadata value (empty when absent). OK, or
-  // UNAUTHENTICATED (no or unknown token) / PERMISSION_DENIED (the token may not call `method`).
-  absl::Status Check(absl::string_view authorization, absl::string_view method) const;
+  // `authorization`: the call's "authorization" metadata value (empty when absent). The token's
+  // principal ("token:<name>", admin as configured), or UNAUTHENTICATED (no or unknown token) /
+  // PERMISSION_DENIED (the token may not call `method`). Without tokens: the anonymous one.
+  absl::StatusOr<Principal> Authenticate(absl::string_view authorization,
+                                         absl::string_view method) const;
+  absl::Status Check(absl::string_view authorization, absl::string_view method) const {
+    return Authenticate(authorization, method).status();
+  }
 
  private:
   struct Grant {
     std::string name;
+    bool admin = false;
     bool all_methods = false;
     absl::flat_hash_set<std::string> methods;
   };

@@ -6,10 +6,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpc/grpc_security_constants.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/proto_buffer_writer.h"
 #include "server/api/pool_config.h"
 #include "server/api/validate.h"
+#include "server/rpc/call_log.h"
 #include "server/rpc/grpc_status.h"
 #include "server/rpc/request_reader.h"
 #include "server/rpc/response_writer.h"
@@ -24,10 +26,29 @@ absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
 
 int64_t Micros(absl::Duration d) { return absl::ToInt64Microseconds(d); }
 
-// The session a request names, or (none named) its connection.
-Caller CallerOf(grpc::CallbackServerContext* ctx, const std::string& session) {
-  return Caller{session, session.empty() ? ctx->peer() : std::string()};
+// The principal of a call on a connection with a verified client certificate (mutual TLS):
+// "cert:" and the certificate's subject. Empty without one.
+std::string CertificatePrincipal(const grpc::CallbackServerContext* ctx) {
+  const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
+  for (const grpc::string_ref& subject :
+       auth->FindPropertyValues(GRPC_X509_SUBJECT_PROPERTY_NAME)) {
+    return absl::StrCat("cert:", absl::string_view(subject.data(), subject.size()));
+  }
+  return "";
 }
+
+// The caller's x-request-id (empty when none), at most 128 bytes of it: echoed in the response
+// and written into the log line of a failed call.
+std::string RequestId(const grpc::CallbackServerContext* ctx) {
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find("x-request-id");
+  if (it == metadata.end()) return "";
+  return std::string(it->second.data(), std::min<size_t>(it->second.size(), 128));
+}
+
+// Calls at least this large have the allocator trimmed after them (Call::OnDone).
+constexpr size_t kLargeCallBytes = size_t{16} << 20;
 
 constexpr char kGetServerInfo[] = "GetServerInfo";
 constexpr char kAllocatePages[] = "AllocatePages";
@@ -62,12 +83,23 @@ v1::RegionInfo ToProto(const RegionInfo& r) {
 template <typename Request, typename Response>
 class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
  public:
-  Call(Metrics* metrics, const char* method, grpc::CallbackServerContext* ctx,
-       grpc::ByteBuffer* reply)
-      : ctx(ctx), method(method), metrics_(metrics), reply_(reply) {}
+  Call(Metrics* metrics, AllocatorTrimmer* trimmer, const char* method,
+       grpc::CallbackServerContext* ctx, grpc::ByteBuffer* reply)
+      : ctx(ctx),
+        method(method),
+        request_id(RequestId(ctx)),
+        metrics_(metrics),
+        trimmer_(trimmer),
+        reply_(reply) {
+    if (!request_id.empty()) ctx->AddInitialMetadata("x-request-id", request_id);
+  }
+
+  // The caller of the session the request names.
+  Caller CallerOf(const std::string& session) const { return Caller{session, principal}; }
 
   void Complete(const absl::Status& status) {
     metrics_->OnRpc(method, status, absl::Now() - arrived);
+    if (!status.ok()) LogFailedCall(method, status, request_id, ctx->peer());
     metrics_->OnRpcFinished();
     if (status.ok()) {
       if constexpr (std::is_same_v<Response, v1::AttentionResponse>) {
@@ -85,10 +117,19 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
     Finish(ToGrpcStatus(status));
   }
 
-  void OnDone() override { delete this; }
+  // A large call's memory goes back to the system a moment after it ends (allocator_trim.h).
+  void OnDone() override {
+    // Tensors stay in the slices and outputs in the backend's buffers, outside the messages.
+    if (in_bytes + out.size + lse.size + response.ByteSizeLong() > kLargeCallBytes) {
+      trimmer_->LargeCallEnded();
+    }
+    delete this;
+  }
 
   grpc::CallbackServerContext* const ctx;
   const char* const method;
+  const std::string request_id;
+  Principal principal;  // set once the call is authenticated
   const absl::Time arrived = absl::Now();
   Request request;
   Response response;
@@ -97,9 +138,11 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
   std::vector<grpc::Slice> slices;
   InlineTensors tensors;
   SharedBytes out, lse;
+  size_t in_bytes = 0;  // the request as it arrived
 
  private:
   Metrics* const metrics_;
+  AllocatorTrimmer* const trimmer_;
   grpc::ByteBuffer* const reply_;
 };
 
@@ -113,7 +156,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
                                                       const grpc::ByteBuffer* in,
                                                       grpc::ByteBuffer* out,
                                                       Handler<Request, Response> handle) {
-  auto* call = new Call<Request, Response>(metrics_, method, ctx, out);
+  auto* call = new Call<Request, Response>(metrics_, &trimmer_, method, ctx, out);
+  call->in_bytes = in->Length();
   metrics_->OnRpcStarted();
   absl::Status parsed;
   if constexpr (kIsAttention<Request>) {
@@ -128,9 +172,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
   }
   if (!parsed.ok()) {
     call->Complete(parsed);
-  } else if (absl::Status st = Authorize(ctx, method); !st.ok()) {
-    call->Complete(st);
+  } else if (absl::StatusOr<Principal> who = Authenticate(ctx, method); !who.ok()) {
+    call->Complete(who.status());
   } else {
+    call->principal = *std::move(who);
     (this->*handle)(*call);
   }
   return call;
@@ -196,22 +241,23 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListRegions(grpc::CallbackServer
   return Serve(kListRegions, ctx, in, out, &AttentionServiceImpl::HandleListRegions);
 }
 
-absl::Status AttentionServiceImpl::Authorize(grpc::CallbackServerContext* ctx,
-                                             const char* method) const {
-  if (!auth_->enabled()) return absl::OkStatus();
+absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(grpc::CallbackServerContext* ctx,
+                                                             const char* method) const {
+  // Without tokens, a verified client certificate names the caller; with neither, every caller
+  // is the same anonymous principal (there is no one to tell apart).
+  if (!auth_->enabled()) return Principal{CertificatePrincipal(ctx), false};
   const auto& metadata = ctx->client_metadata();
   auto it = metadata.find("authorization");
   const absl::string_view token =
       it == metadata.end() ? absl::string_view()
                            : absl::string_view(it->second.data(), it->second.size());
-  return auth_->Check(token, method);
+  return auth_->Authenticate(token, method);
 }
 
 void AttentionServiceImpl::HandleGetServerInfo(
     Call<v1::GetServerInfoRequest, v1::GetServerInfoResponse>& call) {
   if (!call.request.session().empty()) {
-    if (absl::Status st = engine_->RenewLease(CallerOf(call.ctx, call.request.session()));
-        !st.ok()) {
+    if (absl::Status st = engine_->RenewLease(call.CallerOf(call.request.session())); !st.ok()) {
       return call.Complete(st);
     }
   }
@@ -242,7 +288,7 @@ void AttentionServiceImpl::HandleAllocatePages(
     Call<v1::AllocatePagesRequest, v1::AllocatePagesResponse>& call) {
   const v1::AllocatePagesRequest& req = call.request;
   absl::StatusOr<std::vector<int32_t>> ids =
-      engine_->AllocatePages(req.pool(), CallerOf(call.ctx, req.session()), req.num_pages());
+      engine_->AllocatePages(req.pool(), call.CallerOf(req.session()), req.num_pages());
   if (!ids.ok()) return call.Complete(ids.status());
   call.response.mutable_page_ids()->Assign(ids->begin(), ids->end());
   call.Complete(absl::OkStatus());
@@ -252,7 +298,7 @@ void AttentionServiceImpl::HandleFreePages(
     Call<v1::FreePagesRequest, v1::FreePagesResponse>& call) {
   const v1::FreePagesRequest& req = call.request;
   absl::StatusOr<int> free =
-      engine_->FreePages(req.pool(), CallerOf(call.ctx, req.session()), req.page_ids());
+      engine_->FreePages(req.pool(), call.CallerOf(req.session()), req.page_ids());
   if (!free.ok()) return call.Complete(free.status());
   call.response.set_free_pages(*free);
   call.Complete(absl::OkStatus());
@@ -266,7 +312,10 @@ void AttentionServiceImpl::HandleOpenSession(
         absl::StrCat("lease_ms = ", req.lease_ms(), " and max_pages = ", req.max_pages(),
                      " must not be negative (0 takes the server's default)")));
   }
-  const OpenedSession s = engine_->OpenSession(absl::Milliseconds(req.lease_ms()), req.max_pages());
+  absl::StatusOr<OpenedSession> opened =
+      engine_->OpenSession(absl::Milliseconds(req.lease_ms()), req.max_pages(), call.principal);
+  if (!opened.ok()) return call.Complete(opened.status());
+  const OpenedSession& s = *opened;
   call.response.set_session(s.handle);
   call.response.set_epoch(engine_->epoch());
   call.response.set_lease_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(s.lease)));
@@ -294,7 +343,7 @@ void AttentionServiceImpl::HandleRegisterRegion(
   spec.size = req.size();
   spec.key = req.key();
   absl::StatusOr<RegionInfo> region =
-      engine_->RegisterRegion(CallerOf(call.ctx, req.session()), req.name(), spec);
+      engine_->RegisterRegion(call.CallerOf(req.session()), req.name(), spec);
   if (!region.ok()) return call.Complete(region.status());
   *call.response.mutable_region() = ToProto(*region);
   call.Complete(absl::OkStatus());
@@ -302,14 +351,14 @@ void AttentionServiceImpl::HandleRegisterRegion(
 
 void AttentionServiceImpl::HandleUnregisterRegion(
     Call<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>& call) {
-  call.Complete(engine_->UnregisterRegion(CallerOf(call.ctx, call.request.session()),
+  call.Complete(engine_->UnregisterRegion(call.CallerOf(call.request.session()),
                                           call.request.name()));
 }
 
 void AttentionServiceImpl::HandleListRegions(
     Call<v1::ListRegionsRequest, v1::ListRegionsResponse>& call) {
   absl::StatusOr<std::vector<RegionInfo>> regions =
-      engine_->ListRegions(CallerOf(call.ctx, call.request.session()));
+      engine_->ListRegions(call.CallerOf(call.request.session()));
   if (!regions.ok()) return call.Complete(regions.status());
   for (const RegionInfo& r : *regions) *call.response.add_regions() = ToProto(r);
   call.Complete(absl::OkStatus());
@@ -317,7 +366,7 @@ void AttentionServiceImpl::HandleListRegions(
 
 void AttentionServiceImpl::HandleCloseSession(
     Call<v1::CloseSessionRequest, v1::CloseSessionResponse>& call) {
-  absl::StatusOr<int> freed = engine_->CloseSession(call.request.session());
+  absl::StatusOr<int> freed = engine_->CloseSession(call.request.session(), call.principal);
   if (!freed.ok()) return call.Complete(freed.status());
   call.response.set_freed_pages(*freed);
   call.Complete(absl::OkStatus());
@@ -330,7 +379,7 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
   if (!pool.ok()) return call.Complete(pool.status());
   const PoolGeometry& g = (*pool)->geometry;
 
-  const Caller caller = CallerOf(call.ctx, req.session());
+  const Caller caller = call.CallerOf(req.session());
   const RegionResolver regions = [this, &caller](absl::Span<const SliceRef> slices) {
     return engine_->ResolveRegions(caller, slices);
   };

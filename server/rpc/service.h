@@ -13,6 +13,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
+#include "server/rpc/allocator_trim.h"
 #include "server/rpc/auth.h"
 
 namespace attn {
@@ -94,13 +95,17 @@ class AttentionServiceImpl final : public RawAttentionService {
   template <typename Request>
   void HandleAttention(Call<Request, v1::AttentionResponse>& call);
 
-  // OK when the call's bearer token may call `method` (always, without configured tokens).
-  absl::Status Authorize(grpc::CallbackServerContext* ctx, const char* method) const;
+  // Who makes the call: the principal of its bearer token (UNAUTHENTICATED / PERMISSION_DENIED
+  // when it may not call `method`), or without tokens that of its client certificate, or
+  // anonymous.
+  absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx,
+                                         const char* method) const;
 
   Engine* const engine_;
   Metrics* const metrics_;
   const Authorizer* const auth_;
   const int64_t max_message_bytes_;
+  AllocatorTrimmer trimmer_;
 };
 
 }  // namespace attn

@@ -4,6 +4,7 @@
 #include "server/rpc/service.h"
 
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,7 +73,7 @@ class ServiceTest : public ::testing::Test {
     metrics_ = std::make_unique<Metrics>(kVersion, "cpu", "test");
     SessionOptions sessions;
     sessions.default_lease = absl::Minutes(10);
-    sessions.default_max_pages = 6;
+    sessions.max_pages = 6;
     auto engine =
         Engine::Create(CreateCpuBackend(1),
                        {PoolGeometry::Gqa("gqa", 2, 4, kHeads, kKvHeads, kDim, kPages),
@@ -101,8 +102,9 @@ class ServiceTest : public ::testing::Test {
   }
   void TearDown() override { Stop(); }
 
-  std::string OpenSession(int lease_ms = 0, int max_pages = 0) {
+  std::string OpenSession(int lease_ms = 0, int max_pages = 0, const std::string& token = "") {
     grpc::ClientContext ctx;
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
     v1::OpenSessionRequest req;
     req.set_lease_ms(lease_ms);
     req.set_max_pages(max_pages);
@@ -132,8 +134,10 @@ class ServiceTest : public ::testing::Test {
     for (int32_t id : ids) req.add_page_ids(id);
     return stub_->FreePages(&ctx, req, resp);
   }
-  grpc::Status Decode(const v1::DecodeRequest& req, v1::AttentionResponse* resp) {
+  grpc::Status Decode(const v1::DecodeRequest& req, v1::AttentionResponse* resp,
+                      const std::string& token = "") {
     grpc::ClientContext ctx;
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
     return stub_->Decode(&ctx, req, resp);
   }
   int FreePagesOf(const std::string& pool) {
@@ -321,6 +325,107 @@ TEST_F(ServiceTest, TokensAreCheckedBeforeTheEngineIsAsked) {
   EXPECT_EQ(stub_->AllocatePages(&not_allowed, req, &resp).error_code(),
             StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(engine_->pools().front()->free_pages(), kPages);
+}
+
+// A freed page keeps its rows in storage; the next owner used to read them (LIFO reuse gives it
+// exactly those pages). Now they are zeroed first: q = 0 gives the mean of V over the page, which
+// must be 0, not the previous owner's 1 and 2.
+TEST_F(ServiceTest, AReusedPageReadsZerosNotItsLastOwnersRows) {
+  const std::string a = OpenSession(), b = OpenSession();
+  std::vector<int32_t> mine;
+  ASSERT_TRUE(Allocate(a, 1, &mine).ok());
+  v1::AttentionResponse resp;
+  ASSERT_TRUE(Decode(DecodeOnto(mine[0], a), &resp).ok());
+  v1::FreePagesResponse freed;
+  ASSERT_TRUE(Free(a, mine, &freed).ok());
+  std::vector<int32_t> theirs;
+  ASSERT_TRUE(Allocate(b, 1, &theirs).ok());
+  ASSERT_EQ(theirs, mine);  // the same page, as the pool hands out freed ids
+  v1::DecodeRequest peek = DecodeOnto(theirs[0], b);
+  peek.clear_k_new();
+  peek.clear_v_new();
+  ASSERT_TRUE(Decode(peek, &resp).ok());
+  const auto* out = reinterpret_cast<const bf16*>(resp.output().data().data());
+  for (int i = 0; i < kHeads * kDim; ++i) ASSERT_EQ(Bf16ToFloat(out[i]), 0.f) << "element " << i;
+}
+
+// Sessions belong to the token that opened them: another token holding the handle is refused
+// (and renews nothing), an admin token is not; a quota cannot be raised past the server's.
+TEST_F(ServiceTest, SessionsAreBoundToTheirTokens) {
+  v1::AccessToken alice, bob, ops;
+  alice.set_name("alice");
+  alice.set_token("alice-secret");
+  alice.add_methods("*");
+  bob.set_name("bob");
+  bob.set_token("bob-secret");
+  bob.add_methods("*");
+  ops.set_name("ops");
+  ops.set_token("ops-secret");
+  ops.add_methods("*");
+  ops.set_admin(true);
+  Start({alice, bob, ops});
+  const std::string session = OpenSession(0, 0, "alice-secret");
+  std::vector<int32_t> ids;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer alice-secret");
+    v1::AllocatePagesRequest req;
+    req.set_pool("gqa");
+    req.set_session(session);
+    req.set_num_pages(1);
+    v1::AllocatePagesResponse resp;
+    ASSERT_TRUE(stub_->AllocatePages(&ctx, req, &resp).ok());
+    ids.assign(resp.page_ids().begin(), resp.page_ids().end());
+  }
+  v1::AttentionResponse resp;
+  const grpc::Status stolen = Decode(DecodeOnto(ids[0], session), &resp, "bob-secret");
+  EXPECT_EQ(stolen.error_code(), StatusCode::PERMISSION_DENIED);
+  EXPECT_FALSE(Has(stolen.error_message(), "alice")) << stolen.error_message();
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer bob-secret");
+    v1::CloseSessionRequest req;
+    req.set_session(session);
+    v1::CloseSessionResponse closed;
+    EXPECT_EQ(stub_->CloseSession(&ctx, req, &closed).error_code(), StatusCode::PERMISSION_DENIED);
+  }
+  EXPECT_TRUE(Decode(DecodeOnto(ids[0], session), &resp, "alice-secret").ok());
+  EXPECT_TRUE(Decode(DecodeOnto(ids[0], session), &resp, "ops-secret").ok());
+  // max_pages beyond the server's limit (6) is granted as the limit.
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer bob-secret");
+  v1::OpenSessionRequest req;
+  req.set_max_pages(std::numeric_limits<int32_t>::max());
+  v1::OpenSessionResponse opened;
+  ASSERT_TRUE(stub_->OpenSession(&ctx, req, &opened).ok());
+  EXPECT_EQ(opened.max_pages(), 6);
+}
+
+// Errors quote what the client sent only in part: a 100 kB pool name used to come back whole,
+// and the client got RESOURCE_EXHAUSTED (metadata too large) instead of NOT_FOUND.
+TEST_F(ServiceTest, ErrorsQuoteClientStringsInPart) {
+  const std::string a = OpenSession();
+  v1::DecodeRequest req = DecodeOnto(0, a);
+  req.set_pool(std::string(100000, 'p'));
+  v1::AttentionResponse resp;
+  const grpc::Status st = Decode(req, &resp);
+  EXPECT_EQ(st.error_code(), StatusCode::NOT_FOUND) << st.error_message().size();
+  EXPECT_LT(st.error_message().size(), 300u);
+  EXPECT_TRUE(Has(st.error_message(), "(100000 bytes)")) << st.error_message();
+}
+
+TEST_F(ServiceTest, TheRequestIdIsEchoed) {
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("x-request-id", "req-42");
+  v1::AllocatePagesRequest req;  // no session: refused
+  req.set_pool("gqa");
+  req.set_num_pages(1);
+  v1::AllocatePagesResponse resp;
+  EXPECT_EQ(stub_->AllocatePages(&ctx, req, &resp).error_code(), StatusCode::INVALID_ARGUMENT);
+  const auto& echoed = ctx.GetServerInitialMetadata();
+  auto it = echoed.find("x-request-id");
+  ASSERT_NE(it, echoed.end());
+  EXPECT_EQ(std::string(it->second.data(), it->second.size()), "req-42");
 }
 
 }  // namespace

@@ -18,6 +18,7 @@ import pytest
 from google.protobuf import text_format
 
 from attnserve.v1 import attention_pb2 as pb
+from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import server_config_pb2 as config_pb
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,3 +127,33 @@ def sample(text: str, name: str, **labels: str) -> float:
         if all(got.get(k) == v for k, v in labels.items()):
             return float(value)
     return 0.0
+
+
+class SessionStub:
+    """An AttentionService stub on a connection of its own, with a session of its own: every
+    request that names no session names this one (the server has no implicit sessions). The
+    raw stub is .raw; methods keep .future."""
+
+    def __init__(self, address: str, **options: int) -> None:
+        opts = [("grpc.use_local_subchannel_pool", 1), *options.items()]
+        self.raw = pb_grpc.AttentionServiceStub(grpc.insecure_channel(address, options=opts))
+        self.session = self.raw.OpenSession(pb.OpenSessionRequest(), timeout=10).session
+
+    def __getattr__(self, name: str) -> _Named:
+        return _Named(getattr(self.raw, name), self.session)
+
+
+class _Named:
+    def __init__(self, method, session: str) -> None:
+        self._method, self._session = method, session
+
+    def _named(self, request):
+        if not request.session:
+            request.session = self._session
+        return request
+
+    def __call__(self, request, **kwargs):
+        return self._method(self._named(request), **kwargs)
+
+    def future(self, request, **kwargs):
+        return self._method.future(self._named(request), **kwargs)

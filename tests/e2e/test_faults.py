@@ -21,7 +21,7 @@ from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import server_config_pb2 as config_pb
 
-from launcher import Launched, launch, sample
+from launcher import Launched, SessionStub, sample
 
 POOL = "p"
 PAGES = 512
@@ -35,10 +35,9 @@ def config() -> config_pb.ServerConfig:
     return c
 
 
-def stub(server: Launched, **options: int) -> pb_grpc.AttentionServiceStub:
-    """A stub on a connection of its own."""
-    opts = [("grpc.use_local_subchannel_pool", 1), *options.items()]
-    return pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.address, options=opts))
+def stub(server: Launched, **options: int) -> SessionStub:
+    """A stub on a connection of its own, naming a session of its own."""
+    return SessionStub(server.address, **options)
 
 
 def allocate(s, n: int) -> list[int]:
@@ -58,7 +57,7 @@ def decode(pages: list[int], sequences: int = 1) -> pb.DecodeRequest:
 
 
 def free_pages(server: Launched) -> int:
-    s = stub(server)
+    s = pb_grpc.AttentionServiceStub(grpc.insecure_channel(server.address))
     return s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).pools[0].free_pages
 
 
@@ -97,59 +96,57 @@ def test_a_device_allocation_failure_fails_one_call_only(own) -> None:
     still_serves(own)
 
 
-@pytest.mark.flags("--max_queue_delay_us=400000")
+def start_blocker(s: SessionStub, pages: list[int]):
+    """A call that holds the lane for the injected delay; sent, and running 0.5 s later."""
+    call = s.Decode.future(decode(pages), timeout=30)
+    time.sleep(0.5)
+    return call
+
+
+@pytest.mark.flags("--inject_fault=delay:2000")
 def test_cancelled_before_its_batch_forms(own) -> None:
     s = stub(own)
     pages = allocate(s, 4)
-    call = s.Decode.future(decode(pages), timeout=10)
-    time.sleep(0.1)  # queued, waiting for company
+    blocker = start_blocker(s, pages[:2])
+    call = s.Decode.future(decode(pages[2:]), timeout=10)  # queued behind the running launch
+    time.sleep(0.1)
     call.cancel()
-    time.sleep(0.5)  # past the batching window
-    text = own.metrics()
-    assert sample(text, "attn_rpc_requests_total", method="Decode", code="cancelled") == 1
-    assert sample(text, "attn_batch_requests_count", op="decode") == 0  # it never ran
+    blocker.result()
+    deadline = time.monotonic() + 10  # the batcher drops it once the lane is free
+    while True:
+        text = own.metrics()
+        if sample(text, "attn_rpc_requests_total", method="Decode", code="cancelled") == 1:
+            break
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    assert sample(text, "attn_batch_requests_count", op="decode") == 1  # the blocker's only
     s.FreePages(pb.FreePagesRequest(pool=POOL, page_ids=pages), timeout=10)
     still_serves(own)
 
 
-def test_cancelled_or_expired_while_running(tmp_path: Path) -> None:
-    # A pool big enough that one decode over all of it takes ~0.1 s on the CPU backend.
-    big = config()
-    big.pools[0].num_pages = 16384
-    server = launch(tmp_path, big)
-    try:
-        s = stub(server)
-        pages = allocate(s, 16384)
-        request = decode(pages, sequences=16)
-        s.Decode(request, timeout=60)  # warm
-        # The fastest of a few calls: a slow outlier would make the deadline below long enough
-        # for a call to finish in time (on a GPU a call takes about a millisecond).
-        duration = float("inf")
-        for _ in range(3):
-            start = time.monotonic()
-            s.Decode(request, timeout=60)
-            duration = min(duration, time.monotonic() - start)
-        call = s.Decode.future(request, timeout=60)
-        time.sleep(duration / 4)
-        call.cancel()
-        expect_code(lambda: s.Decode(request, timeout=duration / 4), Code.DEADLINE_EXCEEDED)
-        # Both launches finish server-side and release their pins; until then the pages are in
-        # use (FAILED_PRECONDITION), which on a fast backend can outlast any fixed wait.
-        give_up = time.monotonic() + 30
-        while True:
-            try:
-                s.FreePages(pb.FreePagesRequest(pool=POOL, page_ids=pages), timeout=10)
-                break
-            except grpc.RpcError as e:
-                if e.code() != Code.FAILED_PRECONDITION or time.monotonic() > give_up:
-                    raise
-                time.sleep(0.01)
-        assert server.health() == 1
-        free = s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).pools[0].free_pages
-        assert free == 16384
-    finally:
-        server.process.kill()
-        server.process.wait()
+# Each launch takes 1.5 s (the delay hook), so "while running" is a fact, not a race: the
+# deadline used to be a fraction of a measured call time, which a fast device outran.
+@pytest.mark.flags("--inject_fault=delay:1500")
+def test_cancelled_or_expired_while_running(own) -> None:
+    s = stub(own)
+    pages = allocate(s, 16)
+    request = decode(pages, sequences=4)
+    call = s.Decode.future(request, timeout=30)
+    time.sleep(0.5)  # running
+    call.cancel()
+    time.sleep(1.2)  # that launch is over; the next call has the lane to itself
+    expect_code(lambda: s.Decode(request, timeout=0.5), Code.DEADLINE_EXCEEDED)
+    # Both launches finish server-side and release their pins (within their 1.5 s).
+    give_up = time.monotonic() + 10
+    while True:
+        try:
+            s.FreePages(pb.FreePagesRequest(pool=POOL, page_ids=pages), timeout=10)
+            break
+        except grpc.RpcError as e:
+            if e.code() != Code.FAILED_PRECONDITION or time.monotonic() > give_up:
+                raise
+            time.sleep(0.01)
+    still_serves(own)
 
 
 @pytest.mark.flags("--session_lease_seconds=1")
@@ -160,11 +157,14 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 import grpc, test_faults as t
 from attnserve.v1 import attention_pb2 as pb, attention_pb2_grpc as pb_grpc
 s = pb_grpc.AttentionServiceStub(grpc.insecure_channel({own.address!r}))
-pages = [int(p) for p in s.AllocatePages(pb.AllocatePagesRequest(pool="p", num_pages=256),
-                                         timeout=10).page_ids]
+session = s.OpenSession(pb.OpenSessionRequest(), timeout=10).session
+pages = [int(p) for p in s.AllocatePages(
+    pb.AllocatePagesRequest(pool="p", num_pages=256, session=session), timeout=10).page_ids]
 print("allocated", flush=True)
 while True:
-    s.Decode(t.decode(pages, sequences=16), timeout=30)
+    request = t.decode(pages, sequences=16)
+    request.session = session
+    s.Decode(request, timeout=30)
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     child = subprocess.Popen(
@@ -187,14 +187,15 @@ while True:
 @pytest.mark.flags("--session_lease_seconds=1")
 def test_thousands_of_connections_opened_and_dropped(own) -> None:
     def churn(i: int) -> None:
-        with grpc.insecure_channel(
-            own.address, options=[("grpc.use_local_subchannel_pool", 1)]
-        ) as channel:
-            s = pb_grpc.AttentionServiceStub(channel)
-            if i % 4 == 0:
-                allocate(s, 1)  # its implicit session dies with the connection
-            else:
-                s.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        if i % 4 == 0:
+            allocate(stub(own), 1)  # its session's lease (1 s) reclaims the page
+        else:
+            with grpc.insecure_channel(
+                own.address, options=[("grpc.use_local_subchannel_pool", 1)]
+            ) as channel:
+                pb_grpc.AttentionServiceStub(channel).GetServerInfo(
+                    pb.GetServerInfoRequest(), timeout=10
+                )
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(churn, range(2000)))

@@ -47,10 +47,12 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ca, other_ca = make_ca(d, "ca"), make_ca(d, "other-ca")
     server_key, server_cert = make_leaf(d, "server", ca, server=True)
     client_key, client_cert = make_leaf(d, "client", ca, server=False)
+    other_key, other_cert = make_leaf(d, "other-client", ca, server=False)
     rogue_key, rogue_cert = make_leaf(d, "rogue", other_ca, server=False)
     return {"ca": ca[1], "other_ca": other_ca[1], "server_key": server_key,
             "server_cert": server_cert, "client_key": client_key, "client_cert": client_cert,
-            "rogue_key": rogue_key, "rogue_cert": rogue_cert}  # fmt: skip
+            "rogue_key": rogue_key, "rogue_cert": rogue_cert, "other_key": other_key,
+            "other_cert": other_cert}  # fmt: skip
 
 
 def config(tokens: bool = False) -> config_pb.ServerConfig:
@@ -99,6 +101,24 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki, private) -> None
                     timeout=5, wait_for_ready=False) as bad:  # fmt: skip
             with pytest.raises(Unavailable):
                 bad.server_info()
+
+
+def test_a_session_belongs_to_the_client_certificate_that_opened_it(pki, private) -> None:
+    """Without tokens, mutual TLS names the caller: another certificate of the same CA holding
+    the handle may not use the session."""
+    server = private(config(), f"--tls_cert_file={pki['server_cert']}",
+                     f"--tls_key_file={pki['server_key']}",
+                     f"--tls_client_ca_file={pki['ca']}")  # fmt: skip
+    with Client(localhost(server), credentials=credentials(pki, client="client"),
+                retry=None) as owner:  # fmt: skip
+        pages = owner.allocate_pages(2, pool="p")
+        with Client(localhost(server), credentials=credentials(pki, client="other"),
+                    session=owner.session, retry=None) as other:  # fmt: skip
+            with pytest.raises(PermissionDenied):
+                other.free_pages(pages, pool="p")
+        with Client(localhost(server), credentials=credentials(pki, client="client"),
+                    session=owner.session, retry=None) as again:  # fmt: skip
+            again.free_pages(pages, pool="p")  # the same certificate, another connection
 
 
 def test_bearer_tokens_and_method_permissions(private) -> None:

@@ -16,10 +16,9 @@ import pytest
 from attnserve import AttnError, Client
 from attnserve.tensors import float_to_bf16, pack_tensor
 from attnserve.v1 import attention_pb2 as pb
-from attnserve.v1 import attention_pb2_grpc as pb_grpc
 from attnserve.v1 import server_config_pb2 as config_pb
 
-from launcher import sample
+from launcher import SessionStub, sample
 from workload import PoolSession
 
 POOL = "p"
@@ -221,48 +220,63 @@ def test_overlapping_appends_to_one_page_are_refused(private) -> None:
         assert client.pool_info(POOL).free_pages == pool.free_pages
 
 
+def blocked_lane(server, pool: pb.PoolInfo, session_stub) -> threading.Thread:
+    """A decode that holds the lane for the server's injected delay; running when this returns
+    (the lane was free, and the launch takes seconds)."""
+    pages = list(session_stub.AllocatePages(pb.AllocatePagesRequest(pool=POOL, num_pages=1),
+                                            timeout=10).page_ids)  # fmt: skip
+    request = decode_request(pool, pages, 16, np.random.default_rng(9))
+    blocker = threading.Thread(target=session_stub.Decode, args=(request,),
+                               kwargs={"timeout": 30})  # fmt: skip
+    blocker.start()
+    time.sleep(0.5)
+    return blocker
+
+
 def test_full_queue_answers_resource_exhausted_with_a_retry_hint(private) -> None:
-    server = private(one_pool(), "--max_queue_requests=1", "--max_queue_delay_us=400000")
-    # Two connections: an explicit session lets both use the same pages.
-    with grpc.insecure_channel(server.address) as a, grpc.insecure_channel(server.address) as b:
-        stub, other = pb_grpc.AttentionServiceStub(a), pb_grpc.AttentionServiceStub(b)
-        session = stub.OpenSession(pb.OpenSessionRequest(), timeout=10).session
-        pool = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).pools[0]
-        pages = list(
-            stub.AllocatePages(
-                pb.AllocatePagesRequest(pool=POOL, num_pages=4, session=session), timeout=10
-            ).page_ids
-        )
-        request = decode_request(pool, pages, 50, np.random.default_rng(4))
-        request.session = session
-        first = threading.Thread(target=stub.Decode, args=(request,), kwargs={"timeout": 10})
-        first.start()  # waits in the queue for company
-        time.sleep(0.1)
-        with pytest.raises(grpc.RpcError) as err:
-            other.Decode(request, timeout=10)
-        first.join()
-        stub.CloseSession(pb.CloseSessionRequest(session=session), timeout=10)
+    # Each launch takes 2 s: one call runs, one waits, the next finds the queue full.
+    server = private(one_pool(), "--max_queue_requests=1", "--inject_fault=delay:2000")
+    stub = SessionStub(server.address)
+    pool = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).pools[0]
+    pages = list(stub.AllocatePages(pb.AllocatePagesRequest(pool=POOL, num_pages=4),
+                                    timeout=10).page_ids)  # fmt: skip
+    request = decode_request(pool, pages[:1], 16, np.random.default_rng(4))
+    blocker = blocked_lane(server, pool, stub)
+    queued = stub.Decode.future(request, timeout=30)
+    time.sleep(0.2)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Decode(decode_request(pool, pages[1:2], 16, np.random.default_rng(4)), timeout=10)
+    queued.result()
+    blocker.join()
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     hint = dict(err.value.trailing_metadata() or ())
-    assert int(hint["grpc-retry-pushback-ms"]) >= 1
+    # The lane has been busy 0.7 s with a call as large as the queued one, so the work ahead is
+    # at least that. (It said 1 ms: no launch had finished to measure the lane by.)
+    assert int(hint["grpc-retry-pushback-ms"]) >= 500, hint
 
 
 def test_a_call_whose_deadline_passes_in_the_queue_never_runs(private) -> None:
-    server = private(one_pool(), "--max_queue_delay_us=400000")
-    with Client(server.address) as client:
-        pool = client.pool_info(POOL)
-        pages = client.allocate_pages(4, pool=POOL)
-        request = decode_request(pool, pages, 50, np.random.default_rng(5))
-        with pytest.raises(AttnError) as err:
-            client.call_decode(request, timeout=0.05)
-        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        time.sleep(0.6)  # past the batching window: the batcher has seen it
+    server = private(one_pool(), "--inject_fault=delay:1500")
+    stub = SessionStub(server.address)
+    pool = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).pools[0]
+    pages = list(stub.AllocatePages(pb.AllocatePagesRequest(pool=POOL, num_pages=4),
+                                    timeout=10).page_ids)  # fmt: skip
+    blocker = blocked_lane(server, pool, stub)
+    request = decode_request(pool, pages, 50, np.random.default_rng(5))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Decode(request, timeout=0.2)  # queued behind the running launch until it expires
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    blocker.join()
+    deadline = time.monotonic() + 10  # the batcher drops it when the lane frees up
+    while True:
         text = server.metrics()
-        client.free_pages(pages, pool=POOL)
-    dropped = sum(sample(text, "attn_rpc_requests_total", method="Decode", code=code)
-                  for code in ("deadline_exceeded", "cancelled"))  # fmt: skip
+        dropped = sum(sample(text, "attn_rpc_requests_total", method="Decode", code=code)
+                      for code in ("deadline_exceeded", "cancelled"))  # fmt: skip
+        if dropped == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert dropped == 1
-    assert sample(text, "attn_batch_requests_count", op="decode") == 0
+    assert sample(text, "attn_batch_requests_count", op="decode") == 1  # the blocker alone
 
 
 def test_sigterm_drains_accepted_calls_and_exits_zero(private) -> None:

@@ -25,6 +25,7 @@ type Client struct {
 	addr    string
 	conn    *grpc.ClientConn // nil when the connection belongs to the caller (NewFromConn)
 	session string           // WithSession
+	auto    *autoSession     // the session opened for a client without one (session.go)
 	stub    pb.AttentionServiceClient
 	opts    options
 	calls   []grpc.CallOption
@@ -155,7 +156,7 @@ func NewFromConn(conn grpc.ClientConnInterface, opts ...Option) *Client {
 	if o.token != "" {
 		calls = append(calls, grpc.PerRPCCredentials(bearerToken(o.token)))
 	}
-	c := &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls}
+	c := &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls, auto: &autoSession{}}
 	target := ""
 	if cc, ok := conn.(*grpc.ClientConn); ok {
 		target = cc.Target()
@@ -239,8 +240,12 @@ func (c *Client) Pool(ctx context.Context, name string) (PoolInfo, error) {
 // owned by the caller until FreePages. A full pool fails with ResourceExhausted (not retried).
 func (c *Client) AllocatePages(ctx context.Context, pool string, numPages int) ([]int32, error) {
 	var resp *pb.AllocatePagesResponse
-	req := &pb.AllocatePagesRequest{Pool: pool, NumPages: int32(numPages), Session: c.session}
-	err := c.invoke(ctx, "AllocatePages", func(ctx context.Context, opts []grpc.CallOption) (err error) {
+	session, err := c.sessionFor(ctx)
+	if err != nil {
+		return nil, err
+	}
+	req := &pb.AllocatePagesRequest{Pool: pool, NumPages: int32(numPages), Session: session}
+	err = c.invoke(ctx, "AllocatePages", func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		resp, err = c.stub.AllocatePages(ctx, req, opts...)
 		return err
 	})
@@ -258,8 +263,12 @@ func (c *Client) AllocatePages(ctx context.Context, pool string, numPages int) (
 // after the call.
 func (c *Client) FreePages(ctx context.Context, pool string, pageIDs []int32) (int, error) {
 	var resp *pb.FreePagesResponse
-	req := &pb.FreePagesRequest{Pool: pool, PageIds: pageIDs, Session: c.session}
-	err := c.invoke(ctx, "FreePages", func(ctx context.Context, opts []grpc.CallOption) (err error) {
+	session, err := c.sessionFor(ctx)
+	if err != nil {
+		return 0, err
+	}
+	req := &pb.FreePagesRequest{Pool: pool, PageIds: pageIDs, Session: session}
+	err = c.invoke(ctx, "FreePages", func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		resp, err = c.stub.FreePages(ctx, req, opts...)
 		return err
 	})
@@ -282,9 +291,13 @@ func (c *Client) Decode(ctx context.Context, req *AttentionRequest) (*AttentionR
 }
 
 // PrefillProto sends a ready-made wire request as is (with the client's deadline, retries and
-// error conversion), e.g. to send another dtype or to test the server's validation.
+// error conversion), e.g. to send another dtype or to test the server's validation. A request
+// naming no session gets the client's.
 func (c *Client) PrefillProto(ctx context.Context, req *pb.PrefillRequest) (*AttentionResult, error) {
 	var resp *pb.AttentionResponse
+	if err := c.nameSession(ctx, &req.Session); err != nil {
+		return nil, err
+	}
 	err := c.invoke(ctx, "Prefill", func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		resp, err = c.stub.Prefill(ctx, req, opts...)
 		return err
@@ -295,9 +308,13 @@ func (c *Client) PrefillProto(ctx context.Context, req *pb.PrefillRequest) (*Att
 	return decodeResult("Prefill", resp)
 }
 
-// DecodeProto sends a ready-made wire DecodeRequest as is.
+// DecodeProto sends a ready-made wire DecodeRequest as is (naming the client's session when it
+// names none).
 func (c *Client) DecodeProto(ctx context.Context, req *pb.DecodeRequest) (*AttentionResult, error) {
 	var resp *pb.AttentionResponse
+	if err := c.nameSession(ctx, &req.Session); err != nil {
+		return nil, err
+	}
 	err := c.invoke(ctx, "Decode", func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		resp, err = c.stub.Decode(ctx, req, opts...)
 		return err

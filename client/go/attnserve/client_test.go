@@ -21,12 +21,13 @@ import (
 // fakeServer answers AttentionService calls with a scripted handler, in process.
 type fakeServer struct {
 	pb.UnimplementedAttentionServiceServer
-	mu       sync.Mutex
-	calls    int32
-	handle   func(ctx context.Context, call int) error // nil: success
-	deadline time.Duration                             // time left at the last call
-	lastSize int
-	sessions []string // the session each call named
+	scriptOpen bool // OpenSession answers as next() says too
+	mu         sync.Mutex
+	calls      int32
+	handle     func(ctx context.Context, call int) error // nil: success
+	deadline   time.Duration                             // time left at the last call
+	lastSize   int
+	sessions   []string // the session each call named
 }
 
 func (f *fakeServer) sawSession(s string) {
@@ -35,9 +36,13 @@ func (f *fakeServer) sawSession(s string) {
 	f.sessions = append(f.sessions, s)
 }
 
+// OpenSession is scripted only with scriptOpen: a client without a session opens one before its
+// first call that needs one, and the tests script that call.
 func (f *fakeServer) OpenSession(ctx context.Context, r *pb.OpenSessionRequest) (*pb.OpenSessionResponse, error) {
-	if err := f.next(ctx); err != nil {
-		return nil, err
+	if f.scriptOpen {
+		if err := f.next(ctx); err != nil {
+			return nil, err
+		}
 	}
 	return &pb.OpenSessionResponse{Session: "s-1", Epoch: 42, LeaseMs: r.LeaseMs + 1, MaxPages: r.MaxPages}, nil
 }
@@ -404,12 +409,14 @@ func TestWaitReady(t *testing.T) {
 }
 
 func TestUnavailableOnlyRetriedWhenIdempotent(t *testing.T) {
-	f := &fakeServer{handle: func(context.Context, int) error { return status.Error(codes.Unavailable, "lost") }}
+	f := &fakeServer{scriptOpen: true,
+		handle: func(context.Context, int) error { return status.Error(codes.Unavailable, "lost") }}
 	var events []RetryEvent
 	c := startFake(t, f, WithRetryPolicy(fastRetries(&events)))
+	b := c.WithSession("s") // its calls need no OpenSession first
 	for name, call := range map[string]func() error{
-		"AllocatePages": func() error { _, err := c.AllocatePages(context.Background(), "gqa", 1); return err },
-		"FreePages":     func() error { _, err := c.FreePages(context.Background(), "gqa", []int32{1}); return err },
+		"AllocatePages": func() error { _, err := b.AllocatePages(context.Background(), "gqa", 1); return err },
+		"FreePages":     func() error { _, err := b.FreePages(context.Background(), "gqa", []int32{1}); return err },
 		"CloseSession":  func() error { _, err := c.CloseSession(context.Background(), "s"); return err },
 	} {
 		events = nil
@@ -421,7 +428,7 @@ func TestUnavailableOnlyRetriedWhenIdempotent(t *testing.T) {
 	}
 	for name, call := range map[string]func() error{
 		"GetServerInfo": func() error { _, err := c.ServerInfo(context.Background()); return err },
-		"Prefill":       func() error { _, err := c.Prefill(context.Background(), &AttentionRequest{}); return err },
+		"Prefill":       func() error { _, err := b.Prefill(context.Background(), &AttentionRequest{}); return err },
 		"OpenSession":   func() error { _, err := c.OpenSession(context.Background(), SessionOptions{}); return err },
 	} {
 		events = nil
@@ -499,8 +506,11 @@ func TestSessions(t *testing.T) {
 	if err := bound.Close(); err != nil { // not the shared connection
 		t.Fatal(err)
 	}
-	if _, err := c.Decode(ctx, &AttentionRequest{}); err != nil { // unbound: no session
+	if _, err := c.Decode(ctx, &AttentionRequest{}); err != nil { // unbound: opens one
 		t.Fatal(err)
+	}
+	if c.Session() != "s-1" {
+		t.Fatalf("the unbound client's session is %q", c.Session())
 	}
 	if n, err := c.CloseSession(ctx, s.ID); err != nil || n != 3 {
 		t.Fatalf("CloseSession = %d, %v", n, err)
@@ -508,7 +518,7 @@ func TestSessions(t *testing.T) {
 	f.mu.Lock()
 	got := fmt.Sprint(f.sessions)
 	f.mu.Unlock()
-	if want := "[s-1 s-1 s-1 explicit s-1  s-1]"; got != want {
+	if want := "[s-1 s-1 s-1 explicit s-1 s-1 s-1]"; got != want {
 		t.Fatalf("sessions seen %s, want %s", got, want)
 	}
 }

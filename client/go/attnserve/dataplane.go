@@ -199,8 +199,8 @@ func (c *Client) releaseRegions(unregister bool) {
 // their own arenas; this is for memory managed by the caller, its header written). Not retried
 // on Unavailable.
 func (c *Client) RegisterRegion(ctx context.Context, req *pb.RegisterRegionRequest) (*pb.RegionInfo, error) {
-	if req.Session == "" {
-		req.Session = c.session
+	if err := c.nameSession(ctx, &req.Session); err != nil {
+		return nil, err
 	}
 	var resp *pb.RegisterRegionResponse
 	err := c.invoke(ctx, "RegisterRegion", func(ctx context.Context, o []grpc.CallOption) (err error) {
@@ -216,7 +216,11 @@ func (c *Client) RegisterRegion(ctx context.Context, req *pb.RegisterRegionReque
 // UnregisterRegion unregisters a region of the client's session (FailedPrecondition while a
 // call uses it).
 func (c *Client) UnregisterRegion(ctx context.Context, name string) error {
-	req := &pb.UnregisterRegionRequest{Name: name, Session: c.session}
+	session, err := c.sessionFor(ctx)
+	if err != nil {
+		return err
+	}
+	req := &pb.UnregisterRegionRequest{Name: name, Session: session}
 	return c.invoke(ctx, "UnregisterRegion", func(ctx context.Context, o []grpc.CallOption) error {
 		_, err := c.stub.UnregisterRegion(ctx, req, o...)
 		return err
@@ -226,8 +230,12 @@ func (c *Client) UnregisterRegion(ctx context.Context, name string) error {
 // ListRegions returns the regions the server holds for the client's session.
 func (c *Client) ListRegions(ctx context.Context) ([]*pb.RegionInfo, error) {
 	var resp *pb.ListRegionsResponse
-	req := &pb.ListRegionsRequest{Session: c.session}
-	err := c.invoke(ctx, "ListRegions", func(ctx context.Context, o []grpc.CallOption) (err error) {
+	session, err := c.sessionFor(ctx)
+	if err != nil {
+		return nil, err
+	}
+	req := &pb.ListRegionsRequest{Session: session}
+	err = c.invoke(ctx, "ListRegions", func(ctx context.Context, o []grpc.CallOption) (err error) {
 		resp, err = c.stub.ListRegions(ctx, req, o...)
 		return err
 	})
@@ -343,6 +351,17 @@ func (c *Client) attend(ctx context.Context, req *AttentionRequest, prefill bool
 		method = "Prefill"
 	}
 	p, d := c.protos(req, s, prefill)
+	if prefill {
+		err = c.nameSession(ctx, &p.Session)
+	} else {
+		err = c.nameSession(ctx, &d.Session)
+	}
+	if err != nil {
+		if s != nil {
+			s.abandon(err)
+		}
+		return nil, err
+	}
 	err = c.invoke(ctx, method, func(ctx context.Context, opts []grpc.CallOption) (err error) {
 		if prefill {
 			resp, err = c.stub.Prefill(ctx, p, opts...)
@@ -422,14 +441,8 @@ func (c *Client) protos(req *AttentionRequest, s *stagedCall, prefill bool) (*pb
 	var d *pb.DecodeRequest
 	if prefill {
 		p = req.PrefillProto()
-		if p.Session == "" {
-			p.Session = c.session
-		}
 	} else {
 		d = req.DecodeProto()
-		if d.Session == "" {
-			d.Session = c.session
-		}
 	}
 	if s == nil {
 		return p, d

@@ -38,11 +38,20 @@ type shmServer struct {
 	decodes  []*pb.DecodeRequest
 	tables   [][]int32 // the page table arrays each call named in a region
 	unregs   int
+	sessions int
 }
 
 func (s *shmServer) GetServerInfo(context.Context, *pb.GetServerInfoRequest) (*pb.GetServerInfoResponse, error) {
 	return &pb.GetServerInfoResponse{Version: "shm-fake",
 		DataPlane: &pb.DataPlane{SharedMemory: s.enabled, MaxRegionsPerSession: 4, MaxRegionBytesPerSession: 1 << 30}}, nil
+}
+
+// OpenSession hands out handles: the client opens one before its first call that needs it.
+func (s *shmServer) OpenSession(context.Context, *pb.OpenSessionRequest) (*pb.OpenSessionResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.sessions++
+	return &pb.OpenSessionResponse{Session: fmt.Sprintf("session-%d", s.sessions), LeaseMs: 30000}, nil
 }
 
 func (s *shmServer) RegisterRegion(_ context.Context, r *pb.RegisterRegionRequest) (*pb.RegisterRegionResponse, error) {

@@ -2,6 +2,7 @@ package attnserve
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -9,14 +10,14 @@ import (
 	pb "attnserve/client/go/gen/attnservev1"
 )
 
-// Sessions (attention.proto "Sessions and leases"): pages belong to a session. A call that
-// names none uses its connection's implicit session (keyed by the peer address), which is
-// enough for a client that keeps one connection; but a reconnect gets a new implicit session,
-// and pages cannot be shared between connections. An explicit session survives both: open one,
-// bind a client to it with WithSession, and every call of that client names it. Every call
-// naming a session renews its lease; a session without calls for its lease is closed by the
-// server and its pages are reclaimed. Handles carry the server's epoch: after a server restart
-// they fail with FAILED_PRECONDITION.
+// Sessions (attention.proto "Sessions and leases"): pages belong to a session, and every call
+// that uses pages names one (the server has no implicit sessions). A client bound to none opens
+// one, with the server's defaults, on its first such call; to share a session between clients
+// or choose its lease and quota, open one and bind clients to it with WithSession. A session
+// belongs to the token (or client certificate) that opened it. Every call naming a session
+// renews its lease; a session without calls for its lease is closed by the server and its pages
+// are reclaimed. Handles carry the server's epoch: after a server restart they fail with
+// FAILED_PRECONDITION.
 
 // SessionOptions are what OpenSession asks for; zero values take the server's defaults.
 type SessionOptions struct {
@@ -81,5 +82,47 @@ func (c *Client) WithSession(id string) *Client {
 	return &bound
 }
 
-// Session is the session the client is bound to ("" for the connection's implicit one).
-func (c *Client) Session() string { return c.session }
+// Session is the session the client is bound to, or the one it opened itself ("" until its
+// first call that needs one).
+func (c *Client) Session() string {
+	if c.session != "" || c.auto == nil {
+		return c.session
+	}
+	c.auto.mu.Lock()
+	defer c.auto.mu.Unlock()
+	return c.auto.id
+}
+
+// autoSession is the session a client without one opens on its first call that needs one,
+// shared by the clients WithSession("") makes from it.
+type autoSession struct {
+	mu sync.Mutex
+	id string
+}
+
+// sessionFor is the session a call names: the bound one, or the one opened for this client.
+func (c *Client) sessionFor(ctx context.Context) (string, error) {
+	if c.session != "" || c.auto == nil {
+		return c.session, nil
+	}
+	c.auto.mu.Lock()
+	defer c.auto.mu.Unlock()
+	if c.auto.id == "" {
+		s, err := c.OpenSession(ctx, SessionOptions{})
+		if err != nil {
+			return "", err
+		}
+		c.auto.id = s.ID
+	}
+	return c.auto.id, nil
+}
+
+// nameSession sets *field to the client's session when it is empty.
+func (c *Client) nameSession(ctx context.Context, field *string) error {
+	if *field != "" {
+		return nil
+	}
+	s, err := c.sessionFor(ctx)
+	*field = s
+	return err
+}

@@ -77,7 +77,7 @@ type ServerInfo struct {
 	// Epoch is drawn at every server start: a change means the server restarted and every page
 	// id and session handle from before is gone.
 	Epoch        uint64
-	DefaultLease time.Duration // lease of implicit sessions and of OpenSession without one
+	DefaultLease time.Duration // lease of OpenSession without one
 	DataPlane    DataPlane
 }
 

@@ -19,6 +19,7 @@ from attnserve.calls import (
     DEFAULT_TIMEOUT_S,
     FREE_PAGES,
     LIST_REGIONS,
+    NEEDS_SESSION,
     OPEN_SESSION,
     PREFILL,
     REGISTER_REGION,
@@ -93,7 +94,7 @@ class AsyncClient:
 
     @property
     def session(self) -> str | None:
-        """The session handle every call names, or None (the connection's implicit session)."""
+        """The session every call names; None until the first call that needs one opens it."""
         return self._session
 
     async def open_session(
@@ -324,13 +325,20 @@ class AsyncClient:
                     if not plane_may_free(arena, e):
                         continue  # still in use by the server: leave the memory alone
             arena.close()
+    async def _session_for(self, rpc: Rpc[T]) -> str | None:
+        """Client._session_for with an asyncio lock."""
+        if self._session is None and rpc.name in NEEDS_SESSION:
+            async with self.__dict__.setdefault("_open_lock", asyncio.Lock()):
+                if self._session is None:
+                    await self.open_session()
+        return self._session
 
     async def _invoke(self, rpc: Rpc[T], request: object, timeout: float | None) -> T:
         """Client._invoke with asyncio waits."""
         budget = self._timeout if timeout is None else timeout
         attempts = Attempts(self._retry, rpc.name, rpc.idempotent, budget)
         method = getattr(self._stub, rpc.name)
-        request = with_session(request, self._session)
+        request = with_session(request, await self._session_for(rpc))
         while True:
             try:
                 response = await method(

@@ -172,10 +172,18 @@ def open_session_request(lease_s: float | None, max_pages: int | None) -> pb.Ope
     )
 
 
+# Methods whose calls must name a session: the server has no implicit sessions (attention.proto,
+# "Sessions and leases"), so a client without one opens one on its first such call.
+NEEDS_SESSION = frozenset(
+    {"AllocatePages", "FreePages", "Prefill", "Decode", "RegisterRegion", "UnregisterRegion",
+     "ListRegions"}
+)  # fmt: skip
+
+
 def with_session(request: Any, session: str | None) -> Any:
-    """Names the client's session in a request that names none (every request type has the
-    field; the server then uses that session instead of the connection's implicit one)."""
-    if session and not request.session:
+    """Names the client's session in a request that names none (OpenSessionRequest, which
+    opens one, has no session field)."""
+    if session and "session" in request.DESCRIPTOR.fields_by_name and not request.session:
         request.session = session
     return request
 

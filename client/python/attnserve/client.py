@@ -23,6 +23,7 @@ from attnserve.calls import (
     DEFAULT_TIMEOUT_S,
     FREE_PAGES,
     LIST_REGIONS,
+    NEEDS_SESSION,
     OPEN_SESSION,
     PREFILL,
     REGISTER_REGION,
@@ -104,7 +105,7 @@ class Client:
 
     @property
     def session(self) -> str | None:
-        """The session handle every call names, or None (the connection's implicit session)."""
+        """The session every call names; None until the first call that needs one opens it."""
         return self._session
 
     def open_session(
@@ -132,6 +133,15 @@ class Client:
         self._release_regions(unregister=False)  # the session's regions went with it
         self._session = None
         return freed
+
+    def _session_for(self, rpc: Rpc[T]) -> str | None:
+        """The session a call of rpc names: the client's, opened (server defaults) by the first
+        call that needs one. Concurrent first calls open one session between them."""
+        if self._session is None and rpc.name in NEEDS_SESSION:
+            with self.__dict__.setdefault("_open_lock", threading.Lock()):
+                if self._session is None:
+                    self.open_session()
+        return self._session
 
     def close(self) -> None:
         """Unregisters and frees the client's regions, then closes the channel."""
@@ -352,7 +362,7 @@ class Client:
         budget = self._timeout if timeout is None else timeout
         attempts = Attempts(self._retry, rpc.name, rpc.idempotent, budget)
         method = getattr(self._stub, rpc.name)
-        request = with_session(request, self._session)
+        request = with_session(request, self._session_for(rpc))
         while True:
             try:
                 response = method(

@@ -41,6 +41,9 @@ class EchoService(pb_grpc.AttentionServiceServicer):
     def Prefill(self, request, context):  # noqa: N802 - gRPC method name
         return pb.AttentionResponse(output=request.q)
 
+    def OpenSession(self, request, context):  # noqa: N802 - gRPC method name
+        return pb.OpenSessionResponse(session="echo")
+
 
 @pytest.fixture
 def echo_address() -> Iterator[str]:
