@@ -325,6 +325,7 @@ class AsyncClient:
                     if not plane_may_free(arena, e):
                         continue  # still in use by the server: leave the memory alone
             arena.close()
+
     async def _session_for(self, rpc: Rpc[T]) -> str | None:
         """Client._session_for with an asyncio lock."""
         if self._session is None and rpc.name in NEEDS_SESSION:
