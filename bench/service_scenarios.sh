@@ -20,7 +20,7 @@ mkdir -p "$out"
 config=$(mktemp)
 cat >"$config" <<EOC
 pools { name: "bench" kind: POOL_KIND_GQA num_layers: 1 page_size: 16 num_qo_heads: 32
-        num_kv_heads: 8 head_dim: 128 num_pages: 40000 }
+        num_kv_heads: 8 head_dim: 128 num_pages: 80000 }
 data_plane { shared_memory: true cuda_ipc: true max_regions_per_session: 4
              max_region_bytes_per_session: 4294967296 }
 EOC
