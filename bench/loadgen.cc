@@ -80,6 +80,11 @@ std::unique_ptr<v1::AttentionService::Stub> Connect(const std::string& address) 
   args.SetMaxSendMessageSize(-1);
   // A connection per client, as separate scheduler processes would have.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // Sized for messages of megabytes, as the server's side (server/main.cc TuneTransport).
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
+  args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, 4 << 20);
+  args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
+  args.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 << 20);
   return v1::AttentionService::NewStub(
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
@@ -226,13 +231,15 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 // A region's memory: POSIX shared memory mapped here, or a device allocation (CUDA IPC).
 class Arena {
  public:
-  Arena(v1::AttentionService::Stub& stub, const std::string& name, size_t bytes, bool cuda)
+  Arena(v1::AttentionService::Stub& stub, const std::string& session, const std::string& name,
+        size_t bytes, bool cuda)
       : name_(name), bytes_(AlignUp(bytes + kAlign)), cuda_(cuda) {
     std::mt19937_64 rng(std::random_device{}());
     key_.resize(32);
     for (char& c : key_) c = static_cast<char>(rng());
     v1::RegisterRegionRequest req;
     req.set_name(name);
+    req.set_session(session);
     req.set_size(static_cast<int64_t>(bytes_));
     req.set_key(key_);
     std::string header = std::string(kMagic, 16) + key_;
@@ -439,11 +446,13 @@ int Main() {
         // Inputs, and an output as large as q for each request.
         size_t bytes = 2 * TensorBytes(decode) + (size_t{1} << 20);
         for (const auto& p : prefills) bytes += 2 * TensorBytes(p);
-        arena =
-            std::make_unique<Arena>(*stubs[c], absl::StrCat("c", c), bytes, transport == "cuda");
-        tables = transport == "cuda"
-                     ? std::make_unique<Arena>(*stubs[c], absl::StrCat("t", c), 16 << 20, false)
-                     : nullptr;
+        const std::string& session = seqs[c].session;
+        arena = std::make_unique<Arena>(*stubs[c], session, absl::StrCat("c", c), bytes,
+                                        transport == "cuda");
+        tables =
+            transport == "cuda"
+                ? std::make_unique<Arena>(*stubs[c], session, absl::StrCat("t", c), 16 << 20, false)
+                : nullptr;
         Arena& t = tables ? *tables : *arena;
         IntoRegions(&decode, g, *arena, t, false);
         for (auto& p : prefills) IntoRegions(&p, g, *arena, t, true);

@@ -95,10 +95,12 @@ class StagingPair {
   }
   char* host() const { return static_cast<char*>(host_); }
   char* device() const { return static_cast<char*>(device_); }
-  // Gives the buffers back when they grew past `bytes` (a large launch), so one large call does
-  // not hold pinned and device memory for the life of the process.
-  void Trim(size_t bytes) {
-    if (capacity_ > bytes) Release();
+  // Gives the buffers back when they grew past `keep` and the launch that just ran used less
+  // than a quarter of them: one large call does not hold pinned and device memory for the life of
+  // the process, and a stream of large calls does not pay for pinning (tens of ms for 100 MB)
+  // again on every call.
+  void Trim(size_t used, size_t keep) {
+    if (capacity_ > keep && used < capacity_ / 4) Release();
   }
 
  private:
@@ -125,7 +127,9 @@ std::unique_ptr<OutputBuffers> PinnedOutputBuffers() {
         }
         return p;
       },
-      [](void* p) { cudaFreeHost(p); });
+      [](void* p) { cudaFreeHost(p); },
+      // Pinning is slow: keep up to two idle buffers as large as an 8192-token prefill's output.
+      /*max_idle=*/2, /*max_idle_bytes=*/size_t{256} << 20);
 }
 
 struct CudaPool {
@@ -287,8 +291,8 @@ class CudaLane final : public Lane {
     stats.bytes_in = bytes_in;
     stats.bytes_out = bytes_out;
     constexpr size_t kRetainedStagingBytes = size_t{64} << 20;
-    inputs_.Trim(kRetainedStagingBytes);
-    outputs_.Trim(kRetainedStagingBytes);
+    inputs_.Trim(in.bytes, kRetainedStagingBytes);
+    outputs_.Trim(out.bytes, kRetainedStagingBytes);
     return stats;
   }
 
