@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -28,8 +28,8 @@ struct Dim {
 constexpr size_t kMaxShownDims = 8;
 std::string ShapeString(absl::Span<const int64_t> shape) {
   if (shape.size() <= kMaxShownDims) return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-  return absl::StrCat("[", absl::StrJoin(shape.first(kMaxShownDims), ", "), ", ... (",
-                      shape.size(), " dimensions)]");
+  return absl::StrCat("[", absl::StrJoin(shape.first(kMaxShownDims), ", "), ", ... (", shape.size(),
+                      " dimensions)]");
 }
 
 std::string ExpectedString(absl::Span<const Dim> dims) {
@@ -90,8 +90,8 @@ class Slices {
 absl::StatusOr<int64_t> Bf16Bytes(const v1::Tensor& t, const char* field,
                                   absl::Span<const Dim> dims) {
   if (t.dtype() != v1::DTYPE_BF16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": dtype ", v1::DType_Name(t.dtype()), " is not supported; send DTYPE_BF16"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": dtype ", v1::DType_Name(t.dtype()),
+                                                   " is not supported; send DTYPE_BF16"));
   }
   bool same = t.shape_size() == static_cast<int>(dims.size());
   for (int i = 0; same && i < t.shape_size(); ++i) same = t.shape(i) == dims[i].size;
@@ -116,8 +116,7 @@ absl::Status Bf16Rows(const v1::Tensor& t, const HostBytes& inline_data, const c
   in->bytes = static_cast<size_t>(*bytes);
   if (t.has_region()) {
     if (!inline_data.empty() || !t.data().empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": set data or region, not both"));
+      return absl::InvalidArgumentError(absl::StrCat(field, ": set data or region, not both"));
     }
     slices->Input(t.region(), *bytes, absl::StrCat(field, ".region"), in);
     return absl::OkStatus();
@@ -129,6 +128,70 @@ absl::Status Bf16Rows(const v1::Tensor& t, const HostBytes& inline_data, const c
   }
   in->host = inline_data;
   return absl::OkStatus();
+}
+
+// Whether `n` bf16 values at `p` are all finite (exponent not all ones). Written so the compiler
+// vectorizes it: it reads at memory speed, once per input.
+bool AllFinite(const char* p, size_t n) {
+  uint16_t any = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, p + 2 * i, 2);
+    any |= static_cast<uint16_t>(((bits & 0x7f80u) == 0x7f80u) ? 1u : 0u);
+  }
+  return any == 0;
+}
+
+// INVALID_ARGUMENT naming the first NaN or Inf of a host input. A non-finite K or V appended to
+// the cache would poison every later read of its KV head, and one in q comes back as a row that
+// "sees no key": neither is an answer (docs/design.md, "Attention semantics").
+absl::Status CheckFinite(const CallInput& in, const char* field) {
+  if (!in.present || in.on_device() || in.bytes == 0) return absl::OkStatus();
+  // The pieces (gRPC slices) may split an element: its first byte waits in `carry`.
+  size_t element = 0;  // index of the next whole element
+  bool have_carry = false;
+  char carry = 0;
+  absl::Status bad;
+  auto report = [&](uint16_t bits, size_t index) {
+    bad = absl::InvalidArgumentError(
+        absl::StrCat(field, ": element ", index, " is ", (bits & 0x7fu) ? "NaN" : "Inf",
+                     " (bf16 0x", absl::Hex(bits, absl::kZeroPad4), "); inputs must be finite"));
+  };
+  in.host.ForEachPiece([&](const char* data, size_t size) {
+    if (!bad.ok() || size == 0) return;
+    if (have_carry) {
+      const char pair[2] = {carry, data[0]};
+      uint16_t bits;
+      std::memcpy(&bits, pair, 2);
+      if ((bits & 0x7f80u) == 0x7f80u) return report(bits, element);
+      ++element;
+      ++data;
+      --size;
+      have_carry = false;
+    }
+    const size_t n = size / 2;
+    if (!AllFinite(data, n)) {
+      for (size_t i = 0; i < n; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, data + 2 * i, 2);
+        if ((bits & 0x7f80u) == 0x7f80u) return report(bits, element + i);
+      }
+    }
+    element += n;
+    if (size % 2 == 1) {
+      carry = data[size - 1];
+      have_carry = true;
+    }
+  });
+  return bad;
+}
+
+absl::Status CheckFinite(const AttentionCall& c, const PoolGeometry& pool) {
+  const bool gqa = pool.kind == PoolKind::kGqa;
+  ATTN_RETURN_IF_ERROR(CheckFinite(c.q, "q"));
+  ATTN_RETURN_IF_ERROR(CheckFinite(c.q_pe, "q_pe"));
+  ATTN_RETURN_IF_ERROR(CheckFinite(c.k_new, gqa ? "k_new" : "ckv_new"));
+  return CheckFinite(c.v_new, gqa ? "v_new" : "kpe_new");
 }
 
 // The page table the call reads: the request's repeated fields, or a PageTableRef copied into
@@ -150,8 +213,8 @@ absl::StatusOr<TableSpans> ReadPageTable(const Request& req, const RegionResolve
     t.kv_last_page_len = absl::MakeConstSpan(req.kv_last_page_len());
     return t;
   }
-  bool repeated = req.kv_indptr_size() > 0 || req.kv_indices_size() > 0 ||
-                  req.kv_last_page_len_size() > 0;
+  bool repeated =
+      req.kv_indptr_size() > 0 || req.kv_indices_size() > 0 || req.kv_last_page_len_size() > 0;
   if constexpr (kPrefill) repeated = repeated || req.qo_indptr_size() > 0;
   if (repeated) {
     return absl::InvalidArgumentError(
@@ -159,8 +222,8 @@ absl::StatusOr<TableSpans> ReadPageTable(const Request& req, const RegionResolve
   }
   const v1::PageTableRef& ref = req.page_table();
   if (ref.batch() < 1 || ref.batch() > kMaxCallTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("page_table.batch = ", ref.batch(),
-                                                   " is outside [1, ", kMaxCallTokens, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_table.batch = ", ref.batch(), " is outside [1, ", kMaxCallTokens, "]"));
   }
   if (ref.num_pages() < 0 || ref.num_pages() > kMaxTablePages) {
     return absl::InvalidArgumentError(absl::StrCat("page_table.num_pages = ", ref.num_pages(),
@@ -209,8 +272,8 @@ absl::Status CheckIndptr(absl::Span<const int32_t> indptr, const char* field, in
     }
   }
   if (indptr.back() != last) {
-    return absl::InvalidArgumentError(absl::StrCat(field, "[", indptr.size() - 1, "] = ",
-                                                   indptr.back(), " must equal ", last_name,
+    return absl::InvalidArgumentError(absl::StrCat(field, "[", indptr.size() - 1,
+                                                   "] = ", indptr.back(), " must equal ", last_name,
                                                    " = ", last));
   }
   return absl::OkStatus();
@@ -236,8 +299,8 @@ absl::Status CheckPagesPerSequence(absl::Span<const int32_t> kv_indptr, const Po
 // Normalizes kv_last_page_len to batch entries (0 for sequences without pages) and checks that
 // every sequence with pages has 1..page_size tokens in its last page.
 absl::StatusOr<std::vector<int32_t>> LastPageLens(absl::Span<const int32_t> given,
-                                                  absl::Span<const int32_t> kv_indptr,
-                                                  int batch, int page_size) {
+                                                  absl::Span<const int32_t> kv_indptr, int batch,
+                                                  int page_size) {
   const bool implicit = given.empty() && page_size == 1;
   if (!implicit && given.size() != static_cast<size_t>(batch) &&
       given.size() != static_cast<size_t>(batch) + 1) {
@@ -251,9 +314,9 @@ absl::StatusOr<std::vector<int32_t>> LastPageLens(absl::Span<const int32_t> give
     const int32_t v = implicit ? 1 : given[b];
     const int32_t lo = has_pages ? 1 : 0;
     if (v < lo || v > page_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv_last_page_len[", b, "] = ", v, " is outside [", lo, ", ", page_size,
-                       "]", has_pages ? "" : " (sequence without pages)"));
+      return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len[", b, "] = ", v,
+                                                     " is outside [", lo, ", ", page_size, "]",
+                                                     has_pages ? "" : " (sequence without pages)"));
     }
     lens[b] = has_pages ? v : 0;
   }
@@ -265,8 +328,8 @@ template <typename Request>
 absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const TableSpans& table,
                             const PoolGeometry& pool, AttentionCall& call, Slices& slices) {
   if (req.layer() < 0 || req.layer() >= pool.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layer = ", req.layer(), " is outside [0, ",
-                                                   pool.num_layers, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer = ", req.layer(), " is outside [0, ", pool.num_layers, ")"));
   }
   call.layer = req.layer();
 
@@ -278,10 +341,11 @@ absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const
                                                    " entries, expected batch + 1 = ", batch + 1));
   }
   ATTN_RETURN_IF_ERROR(CheckIndptr(call.kv_indptr, "kv_indptr",
-                              static_cast<int64_t>(call.kv_indices.size()), "len(kv_indices)"));
+                                   static_cast<int64_t>(call.kv_indices.size()),
+                                   "len(kv_indices)"));
   ATTN_RETURN_IF_ERROR(CheckPagesPerSequence(call.kv_indptr, pool));
-  ATTN_ASSIGN_OR_RETURN(call.kv_last_page_len,
-                        LastPageLens(table.kv_last_page_len, call.kv_indptr, batch, pool.page_size));
+  ATTN_ASSIGN_OR_RETURN(call.kv_last_page_len, LastPageLens(table.kv_last_page_len, call.kv_indptr,
+                                                            batch, pool.page_size));
 
   const int64_t tq = call.total_q;
   const RowShapes& rows = pool.rows();
@@ -310,10 +374,10 @@ absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const
       return absl::InvalidArgumentError("ckv_new and kpe_new must be sent together");
     }
     if (req.has_ckv_new()) {
-      ATTN_RETURN_IF_ERROR(Bf16Rows(req.ckv_new(), data.ckv_new(), "ckv_new", tq, rows.k_new,
-                                    &call.k_new, &slices));
-      ATTN_RETURN_IF_ERROR(Bf16Rows(req.kpe_new(), data.kpe_new(), "kpe_new", tq, rows.v_new,
-                                    &call.v_new, &slices));
+      ATTN_RETURN_IF_ERROR(
+          Bf16Rows(req.ckv_new(), data.ckv_new(), "ckv_new", tq, rows.k_new, &call.k_new, &slices));
+      ATTN_RETURN_IF_ERROR(
+          Bf16Rows(req.kpe_new(), data.kpe_new(), "kpe_new", tq, rows.v_new, &call.v_new, &slices));
     }
   }
 
@@ -346,9 +410,13 @@ absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const
   // and the pages they land in belong to that sequence alone (two writers of one page would
   // race on the device).
   if (call.appends()) {
-    const PagedBatch view{batch, call.total_q,
+    const PagedBatch view{batch,
+                          call.total_q,
                           call.qo_indptr.empty() ? nullptr : call.qo_indptr.data(),
-                          call.kv_indptr.data(), nullptr, call.kv_last_page_len.data(), nullptr};
+                          call.kv_indptr.data(),
+                          nullptr,
+                          call.kv_last_page_len.data(),
+                          nullptr};
     absl::flat_hash_map<int32_t, int> writer;  // page -> the sequence appending to it
     for (int b = 0; b < batch; ++b) {
       const SeqExtent e = GetSeqExtent(view, pool.page_size, b);
@@ -402,6 +470,7 @@ absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
   Slices slices;
   ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, call, slices));
   ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
+  ATTN_RETURN_IF_ERROR(CheckFinite(call, pool));
   return v;
 }
 
@@ -423,6 +492,7 @@ absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
   Slices slices;
   ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, call, slices));
   ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
+  ATTN_RETURN_IF_ERROR(CheckFinite(call, pool));
   return v;
 }
 

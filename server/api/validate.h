@@ -1,6 +1,7 @@
 // Validation of Prefill and Decode requests against a pool, before anything is queued or written.
 //
-// Every failure is INVALID_ARGUMENT naming the field, the bad value and the limit, except for
+// Every failure is INVALID_ARGUMENT naming the field, the bad value and the limit (a NaN or Inf
+// in a tensor in host memory included), except for
 // region references (NOT_FOUND: a region the caller has not registered; FAILED_PRECONDITION: its
 // memory went away). Validation looks at the request, the pool's geometry and the regions the
 // request names; whether the caller owns the pages it names is checked when the call pins them

@@ -1,10 +1,12 @@
 #include "server/api/validate.h"
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace attn {
@@ -185,8 +187,9 @@ INSTANTIATE_TEST_SUITE_P(
                 kInvalid, "q: dtype"},
         BadCase{"q_wrong_heads", [](PrefillRequest& r) { r.mutable_q()->set_shape(1, 4); },
                 kInvalid, "num_qo_heads"},
-        BadCase{"q_wrong_rank", [](PrefillRequest& r) { r.mutable_q()->mutable_shape()->RemoveLast(); },
-                kInvalid, "q: shape"},
+        BadCase{"q_wrong_rank",
+                [](PrefillRequest& r) { r.mutable_q()->mutable_shape()->RemoveLast(); }, kInvalid,
+                "q: shape"},
         BadCase{"q_short_data",
                 [](PrefillRequest& r) { r.mutable_q()->mutable_data()->pop_back(); }, kInvalid,
                 "q: data"},
@@ -196,20 +199,23 @@ INSTANTIATE_TEST_SUITE_P(
                 kInvalid, "k_new"},
         BadCase{"v_wrong_rows", [](PrefillRequest& r) { r.mutable_v_new()->set_shape(0, 4); },
                 kInvalid, "v_new"},
-        BadCase{"mla_field_on_gqa", [](PrefillRequest& r) { SetBf16(r.mutable_q_pe(), {5, 8, 64}); },
+        BadCase{"mla_field_on_gqa",
+                [](PrefillRequest& r) {
+                  SetBf16(r.mutable_q_pe(), {5, 8, 64});
+                },
                 kInvalid, "MLA"},
         BadCase{"qo_indptr_empty", [](PrefillRequest& r) { r.clear_qo_indptr(); }, kInvalid,
                 "qo_indptr"},
         BadCase{"qo_indptr_not_zero_first", [](PrefillRequest& r) { r.set_qo_indptr(0, 1); },
                 kInvalid, "qo_indptr[0]"},
-        BadCase{"qo_indptr_decreasing", [](PrefillRequest& r) { r.set_qo_indptr(1, 6); },
-                kInvalid, "qo_indptr[2]"},
+        BadCase{"qo_indptr_decreasing", [](PrefillRequest& r) { r.set_qo_indptr(1, 6); }, kInvalid,
+                "qo_indptr[2]"},
         BadCase{"qo_indptr_negative_total", [](PrefillRequest& r) { r.set_qo_indptr(2, -5); },
                 kInvalid, "total_q"},
         BadCase{"kv_indptr_wrong_size", [](PrefillRequest& r) { r.add_kv_indptr(5); }, kInvalid,
                 "kv_indptr"},
-        BadCase{"kv_indptr_decreasing", [](PrefillRequest& r) { r.set_kv_indptr(1, 6); },
-                kInvalid, "kv_indptr[2]"},
+        BadCase{"kv_indptr_decreasing", [](PrefillRequest& r) { r.set_kv_indptr(1, 6); }, kInvalid,
+                "kv_indptr[2]"},
         BadCase{"kv_indptr_not_matching_indices", [](PrefillRequest& r) { r.add_kv_indices(5); },
                 kInvalid, "len(kv_indices)"},
         BadCase{"last_page_len_zero", [](PrefillRequest& r) { r.set_kv_last_page_len(0, 0); },
@@ -261,8 +267,7 @@ TEST_F(ValidateTest, LongShapesAreShortenedInMessages) {
   auto call = ValidatePrefill(r, gqa_);
   ASSERT_FALSE(call.ok());
   EXPECT_EQ(call.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(call.status().message().find("(10003 dimensions)"), std::string::npos)
-      << call.status();
+  EXPECT_NE(call.status().message().find("(10003 dimensions)"), std::string::npos) << call.status();
   EXPECT_LT(call.status().message().size(), 300u) << call.status();
 }
 
@@ -312,6 +317,88 @@ TEST_F(ValidateTest, WithoutAppendRowsMayOutnumberKeys) {
   auto call = ValidatePrefill(r, gqa_);
   ASSERT_TRUE(call.ok()) << call.status();
   EXPECT_FALSE(call->appends());
+}
+
+}  // namespace
+}  // namespace attn
+
+namespace attn {
+namespace {
+
+// Sets element `i` of a bf16 tensor's data to `bits`.
+void SetElement(v1::Tensor* t, size_t i, uint16_t bits) {
+  std::memcpy(t->mutable_data()->data() + 2 * i, &bits, 2);
+}
+
+TEST(ValidateFiniteTest, NonFiniteInputsAreRefusedNamingTheElement) {
+  const PoolGeometry gqa = GqaPool(), mla = MlaPool();
+  struct Case {
+    const char* field;
+    uint16_t bits;
+    const char* what;
+  };
+  for (const Case& c : {Case{"k_new", 0x7fc0, "NaN"}, Case{"v_new", 0x7f80, "Inf"},
+                        Case{"q", 0xff80, "Inf"}, Case{"q", 0xffc1, "NaN"}}) {
+    PrefillRequest r = ValidGqaPrefill();
+    v1::Tensor* t = std::string(c.field) == "q"       ? r.mutable_q()
+                    : std::string(c.field) == "k_new" ? r.mutable_k_new()
+                                                      : r.mutable_v_new();
+    SetElement(t, 77, c.bits);
+    absl::StatusOr<AttentionCall> call = ValidatePrefill(r, gqa);
+    ASSERT_EQ(call.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_NE(call.status().message().find(absl::StrCat(c.field, ": element 77 is ", c.what)),
+              std::string::npos)
+        << call.status();
+  }
+  // The largest finite values pass.
+  PrefillRequest big = ValidGqaPrefill();
+  SetElement(big.mutable_k_new(), 3, 0x7f7f);
+  SetElement(big.mutable_q(), 4, 0xff7f);
+  EXPECT_TRUE(ValidatePrefill(big, gqa).ok());
+  // MLA names its own fields.
+  DecodeRequest d = ValidMlaDecode();
+  SetElement(d.mutable_kpe_new(), 1, 0x7f80);
+  EXPECT_NE(ValidateDecode(d, mla).status().message().find("kpe_new: element 1"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace attn
+
+namespace attn {
+namespace {
+
+// A message's slices may split an element; the check must not read across the split.
+TEST(ValidateFiniteTest, ElementsSplitAcrossPiecesAreReadWhole) {
+  PrefillRequest r = ValidGqaPrefill();
+  std::string& q = *r.mutable_q()->mutable_data();
+  for (size_t i = 0; i < q.size(); i += 2) {
+    q[i] = '\x80';  // 0x3f80 = 1.0: across an odd split the bytes would read 0x803f / 0x3f80...
+    q[i + 1] = '\x3f';
+  }
+  q[1] = '\x7f';  // ...and element 0 is 0x7f80, Inf
+  InlineTensors data = InlineTensorsOf(r);
+  // Odd pieces in separate buffers (adjacent ranges would merge into one piece).
+  HostBytes split;
+  std::string rest = q.substr(7);
+  std::string first = q.substr(0, 1), second = q.substr(1, 6);
+  split.Append(first.data(), first.size());
+  split.Append(second.data(), second.size());
+  split.Append(rest.data(), rest.size());
+  data.mutable_of(3) = split;
+  absl::StatusOr<ValidatedCall> v = ValidatePrefill(r, data, GqaPool(), {});
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(v.status().message().find("q: element 0 is Inf"), std::string::npos) << v.status();
+  q[1] = '\x3f';  // all 1.0 now: finite however it is split
+  first = q.substr(0, 1);
+  second = q.substr(1, 6);
+  rest = q.substr(7);
+  split = HostBytes();
+  split.Append(first.data(), first.size());
+  split.Append(second.data(), second.size());
+  split.Append(rest.data(), rest.size());
+  data.mutable_of(3) = split;
+  EXPECT_TRUE(ValidatePrefill(r, data, GqaPool(), {}).ok());
 }
 
 }  // namespace

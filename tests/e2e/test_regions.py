@@ -173,6 +173,9 @@ def test_bad_references_change_nothing(plane, shm) -> None:
     s.RegisterRegion(mem.request(session=session), timeout=10)
     q = float_to_bf16(np.ones((1, H, D), np.float32)).tobytes()
     mem.write(4096, q)
+    nan_q = bytearray(q)
+    nan_q[6:8] = b"\xc0\x7f"  # element 3 is NaN
+    mem.write(20480, bytes(nan_q))
     poison = b"\xee" * (H * D * 2)
     mem.write(8192, poison)
     out_to = pb.RegionSlice(name="r", offset=8192)
@@ -196,6 +199,7 @@ def test_bad_references_change_nothing(plane, shm) -> None:
                             session, pages, Code.INVALID_ARGUMENT),
         "another session's page": (q_region("r", 4096), session, other_pages,
                                    Code.FAILED_PRECONDITION),
+        "NaN in q": (q_region("r", 20480), session, pages, Code.INVALID_ARGUMENT),
     }  # fmt: skip
     for what, (tensor, who, table, code) in cases.items():
         request = decode(table, who, tensor, k_new=kv(2.0), v_new=kv(2.0), output_to=out_to)
