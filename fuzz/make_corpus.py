@@ -254,6 +254,12 @@ def seeds() -> dict[str, bytes]:
     unknown.q.region.name, unknown.q.region.offset = "elsewhere", 4096
     unknown.q.ClearField("data")
     out["region_unregistered"] = seed("gqa", unknown)
+    merged_table = request("gqa", [1], [1], decode=True, append=False)
+    for f in ("kv_indptr", "kv_indices", "kv_last_page_len"):
+        merged_table.ClearField(f)
+    merged_table.page_table.at.name, merged_table.page_table.at.offset = "r", 1024
+    merged_table.page_table.batch, merged_table.page_table.num_pages = 1, 1
+    add("region_page_table_merged_read", "gqa", merged_table, MERGE)
     return out
 
 

@@ -307,8 +307,13 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
     call = &valid->call;
   }
 
+  // What the checks below need, read before the call moves into its admission.
+  const int64_t work = Work(*call, g);
+  const size_t tokens = call->total_q;
+  const bool return_lse = call->return_lse;
   std::vector<Admission> admitted;
-  absl::StatusOr<Admission> first = engine.Admit(pool, caller, *call, std::move(valid->regions));
+  absl::StatusOr<Admission> first =
+      engine.Admit(pool, caller, std::move(valid->call), std::move(valid->regions));
   if (!first.ok()) {
     if (!AdmissionError(first.status())) Fail("admission error code", first.status());
     Note("not admitted:", first.status());
@@ -320,7 +325,7 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
     absl::StatusOr<ValidatedCall> again = Validate(req, data, g, regions);
     if (!again.ok()) Fail("validation changed its mind", again.status());
     absl::StatusOr<Admission> second =
-        engine.Admit(pool, caller, again->call, std::move(again->regions));
+        engine.Admit(pool, caller, std::move(again->call), std::move(again->regions));
     if (second.ok() != twice) Fail("second admission", second.status());
     if (second.ok()) {
       admitted.push_back(*std::move(second));
@@ -332,7 +337,7 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
   }
 
   const int n = static_cast<int>(admitted.size());
-  if (Work(*call, g) * n > kWorkBudget) {
+  if (work * n > kWorkBudget) {
     Note("over the work budget");
     admitted.clear();  // released unrun
     world.CheckUntouched();
@@ -354,7 +359,6 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
                   });
   }
   const RowShapes& rows = g.rows();
-  const size_t tokens = call->total_q;
   for (Outcome& o : outcomes) {
     o.done.WaitForNotification();
     if (!o.status.ok()) Fail("Run", o.status);
@@ -362,7 +366,7 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
     // Outputs not written into the region come back for the response.
     const size_t out_bytes = req.has_output_to() ? 0 : tokens * rows.out.elements() * sizeof(bf16);
     const size_t lse_bytes =
-        call->return_lse && !req.has_lse_to() ? tokens * rows.lse * sizeof(float) : 0;
+        return_lse && !req.has_lse_to() ? tokens * rows.lse * sizeof(float) : 0;
     if (o.report.out.size != out_bytes) Fail("output size");
     if (o.report.lse.size != lse_bytes) Fail("lse size");
   }

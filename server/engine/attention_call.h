@@ -43,6 +43,14 @@ struct CallOutput {
 // Views point into the request message (or memory it names) and stay valid until the call is
 // answered.
 struct AttentionCall {
+  // Move-only: the page-table spans may point into `table`, which a copy would not own (moving a
+  // vector keeps its buffer).
+  AttentionCall() = default;
+  AttentionCall(AttentionCall&&) = default;
+  AttentionCall& operator=(AttentionCall&&) = default;
+  AttentionCall(const AttentionCall&) = delete;
+  AttentionCall& operator=(const AttentionCall&) = delete;
+
   Op op = Op::kPrefill;
   int layer = 0;
   int batch_size = 0;
