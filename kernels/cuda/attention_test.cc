@@ -116,8 +116,9 @@ uint64_t Seed() {
 
 // The GQA prefill variants every run checks: the portable kernel and the sm_90a kernels that
 // passed on the H200 (the default is one of them).
-const std::vector<int> kCheckedPrefillVariants = {0, cuda::kGqaPrefillSm90Serial,
-                                                  cuda::kGqaPrefillSm90Overlap};
+const std::vector<int> kCheckedPrefillVariants = {
+    0, cuda::kGqaPrefillSm90Serial, cuda::kGqaPrefillSm90Overlap, cuda::kGqaPrefillSm90LeanSerial,
+    cuda::kGqaPrefillSm90LeanOverlap};
 
 // Those of `candidates` the entry points accept for head_dim on this device (the portable
 // kernel everywhere, the sm_90a kernels on Hopper).
@@ -282,12 +283,6 @@ void GqaPrefillSweep(const std::vector<int>& candidates) {
 
 TEST_F(KernelTest, GqaPrefillSweep) {
   GqaPrefillSweep(kCheckedPrefillVariants);
-}
-
-// Kernels not yet run on a GPU (kernels/cuda/api.h): disabled until they have passed once, as a
-// hang there would stall every test after it.
-TEST_F(KernelTest, DISABLED_GqaPrefillExperimentalSweep) {
-  GqaPrefillSweep({cuda::kGqaPrefillSm90LeanSerial, cuda::kGqaPrefillSm90LeanOverlap});
 }
 
 TEST_F(KernelTest, GqaDecodeSweep) {

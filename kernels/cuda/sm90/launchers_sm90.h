@@ -13,7 +13,7 @@ namespace attn::cuda {
 // they cover head_dim.
 cudaError_t GqaPrefillSm90Available(int head_dim, bool* available);
 
-// `variant`: kGqaPrefillSm90Serial or kGqaPrefillSm90Overlap (kernels/cuda/api.h).
+// `variant`: one of the kGqaPrefillSm90* variants (kernels/cuda/api.h).
 cudaError_t LaunchGqaPrefillSm90(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream,
                                  int variant);
 cudaError_t GqaPrefillSm90Tiling(int head_dim, int variant, KernelTiling* tiling);
