@@ -98,13 +98,22 @@ void RandomBf16(v1::Tensor* t, std::vector<int64_t> shape, std::mt19937& rng) {
   }
   std::string* data = t->mutable_data();
   data->resize(n * 2);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  for (int64_t i = 0; i < n; ++i) {
-    const float f = u(rng);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    const uint16_t h = static_cast<uint16_t>(bits >> 16);
-    std::memcpy(data->data() + 2 * i, &h, 2);
+  // Uniform in [-1, 1), four values per 64-bit splitmix64 draw: filling a batch-256 x 4096
+  // context takes seconds instead of the half-minute per scenario of std::mt19937 per value.
+  uint64_t state = (uint64_t{rng()} << 32) | rng();
+  for (int64_t i = 0; i < n; i += 4) {
+    state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    for (int64_t j = i; j < std::min(i + 4, n); ++j, z >>= 16) {
+      const float f = static_cast<float>(z & 0xffff) * (1.f / 32768.f) - 1.f;
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      const uint16_t h = static_cast<uint16_t>(bits >> 16);
+      std::memcpy(data->data() + 2 * j, &h, 2);
+    }
   }
 }
 

@@ -3,15 +3,17 @@
 # latency beside a long prefill with and without separate CUDA streams, and what each transport
 # (bytes, shared memory, CUDA IPC) costs beyond the kernel. Starts the server itself.
 #   bench/service_scenarios.sh [--backend=cuda|cpu] [--seconds=N] [--context=N] [--only=transports]
+#                              [--match=REGEX]   (only the scenarios whose name matches)
 # Needs attnserve and attn_loadgen on PATH; writes JSON to $OUT (default /tmp/service-bench).
 set -euo pipefail
-backend=cuda seconds=5 context=4096 only=""
+backend=cuda seconds=5 context=4096 only="" match=""
 for a in "$@"; do
   case $a in
     --backend=*) backend=${a#*=} ;;
     --seconds=*) seconds=${a#*=} ;;
     --context=*) context=${a#*=} ;;
     --only=*) only=${a#*=} ;;
+    --match=*) match=${a#*=} ;;
     *) echo "unknown argument $a" >&2; exit 2 ;;
   esac
 done
@@ -43,6 +45,7 @@ stop_server() { kill "$server"; wait "$server" || true; }
 load() {  # name, loadgen flags...
   local name=$1
   shift
+  [[ -z "$match" || "$name" =~ $match ]] || return 0
   echo "== $name"
   attn_loadgen --address="$address" --context="$context" --seconds="$seconds" \
     --json="$out/$name.json" "$@"
@@ -63,6 +66,24 @@ for t in "${transports[@]}"; do
   load "transport_${t}_prefill_8192_on_1024" --clients=1 --batch=1 --op=prefill \
     --context=1024 --prefill_tokens=8192 --append --transport="$t"
 done
+# The fixed cost of a call: one sequence of one page, over shared memory.
+load transport_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm
+# The Python client on attn_loadgen's decode batch 64 (needs the client's grpcio and protobuf).
+for t in bytes shm; do
+  [[ -z "$match" || "python_${t}_decode_b64" =~ $match ]] || continue
+  echo "== python_${t}_decode_b64"
+  python3 bench/client_bench.py --address="$address" --context="$context" --seconds="$seconds" \
+    --batch=64 --transport="$t" --json="$out/python_${t}_decode_b64.json" ||
+    echo "python client bench failed"
+done
+stop_server
+# The same over a unix socket (what a caller on the node uses).
+sock="$out/attnserve.sock"
+rm -f "$sock"
+start_server --listen_address="unix:$sock"
+address="unix:$sock"
+load transport_unix_shm_decode_b64 --clients=1 --batch=64 --transport=shm
+load transport_unix_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm
 stop_server
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then
@@ -96,4 +117,10 @@ for name in sorted(n for n in r if n.startswith("transport_")):
     print(f"  {name[10:]}: {x['client_us']['p50']:.0f} | {k:.0f} | {e2e['p50']:.0f} / "
           f"{e2e['p99']:.0f} | {x['client_us']['p50'] / max(k, 1):.2f} | "
           f"{x['merged_per_launch']:.2f}")
+for t in ("bytes", "shm"):
+    x, lg = r.get(f"python_{t}_decode_b64"), r.get(f"transport_{t}_decode_b64")
+    if x and lg:
+        e2e = x["end_to_end_overhead_us"]["p50"]
+        print(f"python client, {t} decode b64: client - kernel p50 {e2e:.0f} us, "
+              f"{e2e - lg['end_to_end_overhead_us']['p50']:+.0f} us against attn_loadgen")
 EOP
