@@ -24,7 +24,7 @@ struct DevicePlan {
   int num_items = 0;
   const MergeRow* merges = nullptr;  // [num_merges]
   int num_merges = 0;
-  int max_splits = 0;  // AttentionPlan::max_splits
+  int max_splits = 0;            // AttentionPlan::max_splits
   float* partial_out = nullptr;  // [partial_rows, out_dim] (out_dim: head_dim or kMlaCkvDim)
   float* partial_lse = nullptr;  // [partial_rows]
   int variant = -1;              // KernelTiling::variant the plan was made for
@@ -63,10 +63,36 @@ PlanConfig GqaPlanConfig(const GqaParams& params, const KernelTiling& tiling,
 PlanConfig MlaPlanConfig(const MlaParams& params, const KernelTiling& tiling,
                          int64_t max_partial_rows);
 
-// Writes the new K/V rows into their page slots (no-op when params.k_new is null). Enqueue it
-// before the attention launch on the same stream.
-cudaError_t GqaAppendKv(const GqaParams& params, cudaStream_t stream);
-cudaError_t MlaAppendKv(const MlaParams& params, cudaStream_t stream);
+// The calls a launch merges, for the finiteness check: query rows [rows[c], rows[c + 1]) belong
+// to call c. `refused[c]` (zeroed before the check) collects kFinite* bits for each of call c's
+// inputs that holds a NaN or Inf; the append writes no row of a call with any bit set. All
+// device memory; num_calls == 0: nothing is checked and every row is appended.
+struct CallChecks {
+  const int32_t* rows = nullptr;  // [num_calls + 1], rows[0] == 0, rows[num_calls] == total_q
+  uint32_t* refused = nullptr;    // [num_calls]
+  int num_calls = 0;
+};
+inline constexpr uint32_t kFiniteQ = 1, kFiniteQPe = 2, kFiniteKNew = 4, kFiniteVNew = 8;
+
+// One input tensor the check reads: `rows` rows of `width` bf16 elements (16-byte aligned), whose
+// NaN or Inf sets `bit` in its call's refused entry.
+struct CheckedInput {
+  const bf16* data = nullptr;
+  int64_t rows = 0;
+  int64_t width = 0;
+  uint32_t bit = 0;
+};
+
+// Sets checks.refused bits for the calls whose inputs (up to 4) hold a NaN or Inf: a bf16 whose
+// exponent bits are all ones. One launch reading every input once; enqueue it after the inputs'
+// copies and before the append.
+cudaError_t CheckFinite(const CheckedInput* inputs, int num_inputs, const CallChecks& checks,
+                        cudaStream_t stream);
+
+// Writes the new K/V rows into their page slots (no-op when params.k_new is null), except the
+// rows of calls `checks` refused. Enqueue it before the attention launch on the same stream.
+cudaError_t GqaAppendKv(const GqaParams& params, const CallChecks& checks, cudaStream_t stream);
+cudaError_t MlaAppendKv(const MlaParams& params, const CallChecks& checks, cudaStream_t stream);
 
 // Zeroes pages of a pool's storage, laid out [num_layers, num_pages, page_bytes] (both cache
 // layouts are): every layer of each of the `num_listed` page ids in `pages` (device memory,

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/api.h"
+#include "kernels/cuda/common/call_checks.cuh"
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/paged_kv.cuh"
 
@@ -40,18 +41,22 @@ struct AppendRow {
   int pos;
 };
 
-// Finds the warp's row; false when the warp has none or the row has no slot (q_len > kv_len).
-__device__ __forceinline__ bool FindRow(const PagedBatch& batch, int page_size, AppendRow* r) {
+// Finds the warp's row; false when the warp has none, the row has no slot (q_len > kv_len) or
+// its call was refused.
+__device__ __forceinline__ bool FindRow(const PagedBatch& batch, int page_size,
+                                        const CallChecks& checks, AppendRow* r) {
   r->row = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
   if (r->row >= batch.total_q) return false;
+  if (checks.num_calls > 0 && checks.refused[CallOfRow(checks, r->row)] != 0) return false;
   r->seq = GetSeqExtent(batch, page_size, SequenceOfRow(batch, r->row));
   r->pos = AppendPosition(r->seq, r->row - r->seq.q_begin);
   return r->pos >= 0;
 }
 
-__global__ void __launch_bounds__(kThreads) GqaAppendKernel(const GqaParams p) {
+__global__ void __launch_bounds__(kThreads)
+    GqaAppendKernel(const GqaParams p, const CallChecks checks) {
   AppendRow r;
-  if (!FindRow(p.batch, p.cache.page_size, &r)) return;
+  if (!FindRow(p.batch, p.cache.page_size, checks, &r)) return;
   // Head 0's K row of the token spans every KV head's K; the V rows follow the page's K block.
   const PagedRowsOf<bf16> rows = GqaKeyRows<bf16>(p.cache, p.batch, r.seq, 0);
   bf16* k = rows.Row(r.pos);
@@ -61,9 +66,10 @@ __global__ void __launch_bounds__(kThreads) GqaAppendKernel(const GqaParams p) {
   CopyRow(k + GqaValueOffset(p.cache), p.v_new + int64_t{r.row} * elems, elems, lane);
 }
 
-__global__ void __launch_bounds__(kThreads) MlaAppendKernel(const MlaParams p) {
+__global__ void __launch_bounds__(kThreads)
+    MlaAppendKernel(const MlaParams p, const CallChecks checks) {
   AppendRow r;
-  if (!FindRow(p.batch, p.cache.page_size, &r)) return;
+  if (!FindRow(p.batch, p.cache.page_size, checks, &r)) return;
   bf16* dst = MlaRows<bf16>(p.cache, p.batch, r.seq).Row(r.pos);
   const int lane = threadIdx.x % 32;
   CopyRow(dst, p.ckv_new + int64_t{r.row} * kMlaCkvDim, kMlaCkvDim, lane);
@@ -74,16 +80,16 @@ int Blocks(int rows) { return (rows + kRowsPerBlock - 1) / kRowsPerBlock; }
 
 }  // namespace
 
-cudaError_t GqaAppendKv(const GqaParams& p, cudaStream_t stream) {
+cudaError_t GqaAppendKv(const GqaParams& p, const CallChecks& checks, cudaStream_t stream) {
   if (p.k_new == nullptr || p.batch.total_q == 0) return cudaSuccess;
-  GqaAppendKernel<<<Blocks(p.batch.total_q), kThreads, 0, stream>>>(p);
+  GqaAppendKernel<<<Blocks(p.batch.total_q), kThreads, 0, stream>>>(p, checks);
   ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
   return cudaSuccess;
 }
 
-cudaError_t MlaAppendKv(const MlaParams& p, cudaStream_t stream) {
+cudaError_t MlaAppendKv(const MlaParams& p, const CallChecks& checks, cudaStream_t stream) {
   if (p.ckv_new == nullptr || p.batch.total_q == 0) return cudaSuccess;
-  MlaAppendKernel<<<Blocks(p.batch.total_q), kThreads, 0, stream>>>(p);
+  MlaAppendKernel<<<Blocks(p.batch.total_q), kThreads, 0, stream>>>(p, checks);
   ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
   return cudaSuccess;
 }

@@ -95,6 +95,8 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   host_batch_ = batch;
   append_ = options.append;
   lse_ = options.lse;
+  call_rows_ = options.call_rows;
+  num_calls_ = options.call_rows ? options.num_calls : 0;
   const int n = batch.batch_size;
   q_lens_.resize(n);
   kv_lens_.resize(n);
@@ -122,11 +124,13 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   inputs_.seq_layer = in.Add(batch.seq_layer ? Int32s(n) : 0);
   inputs_.items = in.Add(plan_.items.size() * sizeof(WorkItem));
   inputs_.merges = in.Add(plan_.merges.size() * sizeof(MergeRow));
+  inputs_.call_rows = in.Add(num_calls_ > 0 ? Int32s(num_calls_ + 1) : 0);
   inputs_.bytes = in.size();
 
   Sections out;
   outputs_.out = out.Add(Bf16Rows(rows, widths_.out));
   outputs_.lse = out.Add(lse_ ? static_cast<size_t>(rows * widths_.lse) * sizeof(float) : 0);
+  outputs_.refused = out.Add(static_cast<size_t>(num_calls_) * sizeof(uint32_t));
   outputs_.bytes = out.size();
 }
 
@@ -143,6 +147,7 @@ void LaunchPlan::WriteIndices(void* host_inputs) const {
   Put(h, inputs_.seq_layer, host_batch_.seq_layer);
   Put(h, inputs_.items, plan_.items.data());
   Put(h, inputs_.merges, plan_.merges.data());
+  Put(h, inputs_.call_rows, call_rows_);
 }
 
 cudaError_t LaunchPlan::Bind(const void* device_inputs, void* device_outputs, void* workspace,
@@ -187,11 +192,37 @@ cudaError_t LaunchPlan::Bind(const void* device_inputs, void* device_outputs, vo
   device_plan_.max_splits = plan_.max_splits;
   device_plan_.partial_out = static_cast<float*>(workspace);
   device_plan_.partial_lse = device_plan_.partial_out + plan_.partial_rows * out_dim();
+
+  checks_ = CallChecks{};
+  if (num_calls_ > 0) {
+    checks_.rows = InputAt<int32_t>(d, inputs_.call_rows);
+    checks_.refused = OutputAt<uint32_t>(device_outputs, outputs_.refused);
+    checks_.num_calls = num_calls_;
+  }
   return cudaSuccess;
 }
 
+cudaError_t LaunchPlan::EnqueueCheck(cudaStream_t stream) const {
+  if (checks_.num_calls == 0) return cudaSuccess;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(checks_.refused, 0, outputs_.refused.bytes, stream));
+  const int64_t rows = host_batch_.total_q;
+  CheckedInput in[4];
+  if (mla_) {
+    const MlaParams& p = mla_params_;
+    in[0] = {p.q_nope, rows, widths_.q, kFiniteQ};
+    in[1] = {p.q_pe, rows, widths_.q_pe, kFiniteQPe};
+    in[2] = {p.ckv_new, rows, widths_.k_new, kFiniteKNew};
+    in[3] = {p.kpe_new, rows, widths_.v_new, kFiniteVNew};
+  } else {
+    in[0] = {gqa_.q, rows, widths_.q, kFiniteQ};
+    in[1] = {gqa_.k_new, rows, widths_.k_new, kFiniteKNew};
+    in[2] = {gqa_.v_new, rows, widths_.v_new, kFiniteVNew};
+  }
+  return CheckFinite(in, mla_ ? 4 : 3, checks_, stream);
+}
+
 cudaError_t LaunchPlan::EnqueueAppend(cudaStream_t stream) const {
-  return mla_ ? MlaAppendKv(mla_params_, stream) : GqaAppendKv(gqa_, stream);
+  return mla_ ? MlaAppendKv(mla_params_, checks_, stream) : GqaAppendKv(gqa_, checks_, stream);
 }
 
 cudaError_t LaunchPlan::EnqueueAttention(cudaStream_t stream) const {
@@ -200,6 +231,7 @@ cudaError_t LaunchPlan::EnqueueAttention(cudaStream_t stream) const {
 }
 
 cudaError_t LaunchPlan::Enqueue(cudaStream_t stream) const {
+  ATTN_CUDA_RETURN_IF_ERROR(EnqueueCheck(stream));
   ATTN_CUDA_RETURN_IF_ERROR(EnqueueAppend(stream));
   return EnqueueAttention(stream);
 }

@@ -7,8 +7,9 @@
 // copy; everything it writes comes back from one output buffer:
 //
 //   inputs:  q | q_pe (MLA) | k_new | v_new (appends) | qo_indptr (prefill) | kv_indptr |
-//            kv_indices | kv_last_page_len | seq_layer (when given) | work items | merge rows
-//   outputs: out | lse (when asked)
+//            kv_indices | kv_last_page_len | seq_layer (when given) | work items | merge rows |
+//            call rows (when checked)
+//   outputs: out | lse (when asked) | refused calls (when checked)
 //
 // Per launch (one LaunchPlan per stream, reused: its vectors keep their capacity):
 //   plan.PlanGqa(cache, num_qo_heads, host_batch, options);  // lengths, plan, layout (host)
@@ -16,7 +17,7 @@
 //   plan.WriteIndices(host_inputs);                          // page table, items, merges
 //   // copy the inputs().bytes of host_inputs to device_inputs
 //   plan.Bind(device_inputs, device_outputs, workspace, workspace_bytes);
-//   plan.Enqueue(stream);                                    // append, attention, merge
+//   plan.Enqueue(stream);                         // finiteness check, append, attention, merge
 //   // copy the outputs().bytes back: out at outputs().out.offset, lse at outputs().lse.offset
 //
 // Not thread-safe: one object per lane (or test batch).
@@ -57,12 +58,16 @@ struct InputLayout {
   StagingSection seq_layer;         // int32 [batch_size] (when the batch has one)
   StagingSection items;             // WorkItem [plan().items.size()]
   StagingSection merges;            // MergeRow [plan().merges.size()]
+  StagingSection call_rows;         // int32 [num_calls + 1] (LaunchOptions::call_rows)
   size_t bytes = 0;                 // the whole buffer
 };
 
 struct OutputLayout {
   StagingSection out;  // bf16 [total_q, RowWidths::out]
   StagingSection lse;  // float [total_q, RowWidths::lse] (when asked)
+  // uint32 [num_calls]: CallChecks::refused, kFinite* bits of call c's inputs that hold a NaN
+  // or Inf (when LaunchOptions::call_rows is given).
+  StagingSection refused;
   size_t bytes = 0;
 };
 
@@ -91,6 +96,12 @@ struct LaunchOptions {
   // Planner settings to override (benchmarks sweep them); 0 keeps the kernel's own.
   int min_chunk_len = 0;
   double target_waves = 0;
+  // When given, the launch checks its inputs for NaN and Inf call by call (CallChecks): query
+  // rows [call_rows[c], call_rows[c + 1]) are call c's, and a call with a non-finite input has
+  // nothing appended and its kFinite* bits in outputs().refused. Host memory, read by Plan* and
+  // WriteIndices.
+  const int32_t* call_rows = nullptr;  // [num_calls + 1]
+  int num_calls = 0;
 };
 
 class LaunchPlan {
@@ -124,6 +135,7 @@ class LaunchPlan {
   // Enqueued on `stream` after Bind: the append (when the launch appends), then attention and the
   // split-KV merge. The attention alone is what a benchmark times once the cache holds the rows.
   cudaError_t Enqueue(cudaStream_t stream) const;
+  cudaError_t EnqueueCheck(cudaStream_t stream) const;  // a no-op without call_rows
   cudaError_t EnqueueAppend(cudaStream_t stream) const;
   cudaError_t EnqueueAttention(cudaStream_t stream) const;
 
@@ -141,6 +153,8 @@ class LaunchPlan {
   bool mla_ = false;
   bool append_ = false;
   bool lse_ = false;
+  const int32_t* call_rows_ = nullptr;  // LaunchOptions::call_rows, until WriteIndices
+  int num_calls_ = 0;
   PagedBatch host_batch_;  // the caller's host arrays, until WriteIndices
   RowWidths widths_;
   InputLayout inputs_;
@@ -151,6 +165,7 @@ class LaunchPlan {
   GqaParams gqa_;
   MlaParams mla_params_;
   DevicePlan device_plan_;
+  CallChecks checks_;
 };
 
 }  // namespace attn::cuda

@@ -130,16 +130,26 @@ absl::Status Bf16Rows(const v1::Tensor& t, const HostBytes& inline_data, const c
   return absl::OkStatus();
 }
 
-// Whether `n` bf16 values at `p` are all finite (exponent not all ones). Written so the compiler
-// vectorizes it: it reads at memory speed, once per input.
+// Whether `n` bf16 values at `p` are all finite (exponent not all ones), four at a time: with
+// the exponents flipped, a non-finite value is a zero 16-bit lane, which the borrow of
+// (t - 1) & ~t & 0x8000 finds. Branch-free, so the compiler vectorizes it.
 bool AllFinite(const char* p, size_t n) {
-  uint16_t any = 0;
-  for (size_t i = 0; i < n; ++i) {
+  constexpr uint64_t kExponents = 0x7f807f807f807f80ull;
+  constexpr uint64_t kOnes = 0x0001000100010001ull, kHigh = 0x8000800080008000ull;
+  uint64_t bad = 0;
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    uint64_t w;
+    std::memcpy(&w, p + 2 * i, 8);
+    const uint64_t t = (w & kExponents) ^ kExponents;
+    bad |= (t - kOnes) & ~t & kHigh;
+  }
+  for (; i < n; ++i) {
     uint16_t bits;
     std::memcpy(&bits, p + 2 * i, 2);
-    any |= static_cast<uint16_t>(((bits & 0x7f80u) == 0x7f80u) ? 1u : 0u);
+    bad |= (bits & 0x7f80u) == 0x7f80u;
   }
-  return any == 0;
+  return bad == 0;
 }
 
 // INVALID_ARGUMENT naming the first NaN or Inf of a host input. A non-finite K or V appended to
@@ -449,7 +459,7 @@ absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const
 
 absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
                                               const InlineTensors& data, const PoolGeometry& pool,
-                                              const RegionResolver& regions) {
+                                              const RegionResolver& regions, FiniteCheck finite) {
   ValidatedCall v;
   AttentionCall& call = v.call;
   call.op = Op::kPrefill;
@@ -470,13 +480,13 @@ absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
   Slices slices;
   ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, call, slices));
   ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
-  ATTN_RETURN_IF_ERROR(CheckFinite(call, pool));
+  if (finite == FiniteCheck::kHost) ATTN_RETURN_IF_ERROR(CheckFinite(call, pool));
   return v;
 }
 
 absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
                                              const InlineTensors& data, const PoolGeometry& pool,
-                                             const RegionResolver& regions) {
+                                             const RegionResolver& regions, FiniteCheck finite) {
   ValidatedCall v;
   AttentionCall& call = v.call;
   call.op = Op::kDecode;
@@ -492,7 +502,7 @@ absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
   Slices slices;
   ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, call, slices));
   ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
-  ATTN_RETURN_IF_ERROR(CheckFinite(call, pool));
+  if (finite == FiniteCheck::kHost) ATTN_RETURN_IF_ERROR(CheckFinite(call, pool));
   return v;
 }
 

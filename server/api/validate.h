@@ -35,16 +35,23 @@ struct ValidatedCall {
   RegionUse regions;  // the regions the call reads and writes, in use until the call is over
 };
 
+// Who refuses NaN and Inf in q, q_pe and the new K/V: validation, scanning the inputs in host
+// memory (kHost; inputs in device memory are not checked), or the backend (kBackend, for one
+// that Backend::ChecksFiniteInputs: on the GPU, for every input, at memory speed).
+enum class FiniteCheck { kHost, kBackend };
+
 // `data` holds the bytes of the request's inline tensors (InlineTensorsOf(req) when the message
 // holds them itself). On success the call's views point into `req`, `data`'s pieces and the
 // regions; outputs not named in a region are left for the backend. `regions` may be null for
 // callers that allow no regions.
 absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
                                               const InlineTensors& data, const PoolGeometry& pool,
-                                              const RegionResolver& regions);
+                                              const RegionResolver& regions,
+                                              FiniteCheck finite = FiniteCheck::kHost);
 absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
                                              const InlineTensors& data, const PoolGeometry& pool,
-                                             const RegionResolver& regions);
+                                             const RegionResolver& regions,
+                                             FiniteCheck finite = FiniteCheck::kHost);
 
 // The same for a request whose tensors are all in the message, naming no region.
 absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,

@@ -362,6 +362,35 @@ TEST(ValidateFiniteTest, NonFiniteInputsAreRefusedNamingTheElement) {
             std::string::npos);
 }
 
+// The scan reads four elements at a time: a non-finite value is found in every lane and in the
+// tail, and the largest finite values never look like one.
+TEST(ValidateFiniteTest, EveryPositionIsChecked) {
+  const PoolGeometry gqa = GqaPool();
+  const size_t n = ValidGqaPrefill().q().data().size() / 2;
+  for (size_t i = 0; i < n; ++i) {
+    for (uint16_t bits : {uint16_t{0x7f80}, uint16_t{0xff80}, uint16_t{0x7fc1}}) {
+      PrefillRequest r = ValidGqaPrefill();
+      SetElement(r.mutable_q(), i, bits);
+      EXPECT_NE(ValidatePrefill(r, gqa).status().message().find(absl::StrCat("q: element ", i)),
+                std::string::npos)
+          << i;
+    }
+  }
+  PrefillRequest big = ValidGqaPrefill();
+  for (size_t i = 0; i < n; ++i) SetElement(big.mutable_q(), i, i % 2 ? 0x7f7f : 0xff7f);
+  EXPECT_TRUE(ValidatePrefill(big, gqa).ok());
+}
+
+// A backend that checks on the device (FiniteCheck::kBackend) gets the call unscanned.
+TEST(ValidateFiniteTest, TheBackendMayCheckInstead) {
+  PrefillRequest r = ValidGqaPrefill();
+  SetElement(r.mutable_k_new(), 5, 0x7fc0);
+  const InlineTensors data = InlineTensorsOf(r);
+  EXPECT_EQ(ValidatePrefill(r, data, GqaPool(), {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidatePrefill(r, data, GqaPool(), {}, FiniteCheck::kBackend).ok());
+}
+
 }  // namespace
 }  // namespace attn
 

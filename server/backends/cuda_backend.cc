@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda/api.h"
 #include "kernels/cuda/launch_plan.h"
@@ -116,6 +117,44 @@ class StagingPair {
   size_t capacity_ = 0;
 };
 
+// A small pinned host array that grows on demand (a launch's per-call flags).
+template <typename T>
+class PinnedArray {
+ public:
+  ~PinnedArray() {
+    if (data_) cudaFreeHost(data_);
+  }
+  absl::Status Reserve(size_t n, DeviceState& state) {
+    if (n <= capacity_) return absl::OkStatus();
+    if (data_) cudaFreeHost(data_);
+    data_ = nullptr;
+    capacity_ = 0;
+    const size_t want = std::max<size_t>(n, 64);
+    RETURN_IF_CUDA_ERROR(state, cudaHostAlloc(reinterpret_cast<void**>(&data_), want * sizeof(T),
+                                              cudaHostAllocDefault));
+    capacity_ = want;
+    return absl::OkStatus();
+  }
+  T* data() const { return data_; }
+
+ private:
+  T* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// Why a call's inputs were refused on the device: the kFinite* bits CheckFinite set.
+absl::Status NonFiniteInputs(uint32_t bits, PoolKind kind) {
+  const bool gqa = kind == PoolKind::kGqa;
+  std::vector<const char*> fields;
+  if (bits & cuda::kFiniteQ) fields.push_back("q");
+  if (bits & cuda::kFiniteQPe) fields.push_back("q_pe");
+  if (bits & cuda::kFiniteKNew) fields.push_back(gqa ? "k_new" : "ckv_new");
+  if (bits & cuda::kFiniteVNew) fields.push_back(gqa ? "v_new" : "kpe_new");
+  return absl::InvalidArgumentError(
+      absl::StrCat(absl::StrJoin(fields, ", "), fields.size() == 1 ? " holds" : " hold",
+                   " a NaN or Inf; inputs must be finite (nothing was appended)"));
+}
+
 // Pinned host memory for the outputs the responses are sent from.
 std::unique_ptr<OutputBuffers> PinnedOutputBuffers() {
   return std::make_unique<OutputBuffers>(
@@ -134,7 +173,7 @@ std::unique_ptr<OutputBuffers> PinnedOutputBuffers() {
 
 struct CudaPool {
   PoolGeometry geometry;
-  void* storage = nullptr;  // one allocation for every layer and page
+  void* storage = nullptr;       // one allocation for every layer and page
   int32_t* scrub_ids = nullptr;  // [num_pages] device: the ids of one ScrubPages call
 };
 
@@ -157,6 +196,7 @@ class CudaLane final : public Lane {
     if (workspace_) cudaFree(workspace_);
     if (start_) cudaEventDestroy(start_);
     if (stop_) cudaEventDestroy(stop_);
+    if (checked_) cudaEventDestroy(checked_);
     if (stream_ && owns_stream_) cudaStreamDestroy(stream_);
   }
 
@@ -171,6 +211,7 @@ class CudaLane final : public Lane {
     }
     RETURN_IF_CUDA_ERROR(state_, cudaEventCreate(&start_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventCreate(&stop_));
+    RETURN_IF_CUDA_ERROR(state_, cudaEventCreateWithFlags(&checked_, cudaEventDisableTiming));
     RETURN_IF_CUDA_ERROR(state_, cudaMalloc(&workspace_, workspace_bytes_));
     const PoolGeometry& g = pool_.geometry;
     const bool decode = op_ == Op::kDecode;
@@ -189,8 +230,15 @@ class CudaLane final : public Lane {
     StageTimer timer;
     const PoolGeometry& g = pool_.geometry;
     merged_.Build(calls);
+    // Every call's inputs are checked for NaN and Inf on the device (validation leaves them to
+    // the backend: Backend::ChecksFiniteInputs); a refused call has nothing appended.
+    call_rows_.resize(calls.size() + 1);
+    for (size_t i = 0; i < calls.size(); ++i) call_rows_[i] = merged_.row_begin(i);
+    call_rows_.back() = merged_.total_q();
     // Plan on the host from the merged page table; the plan lays out the staging buffers.
     cuda::LaunchOptions options;
+    options.call_rows = call_rows_.data();
+    options.num_calls = static_cast<int>(calls.size());
     options.append = calls.front()->appends();
     options.lse = std::any_of(calls.begin(), calls.end(),
                               [](const AttentionCall* c) { return c->return_lse; });
@@ -231,11 +279,19 @@ class CudaLane final : public Lane {
     // The tensors' copies are queued; the page table and plan are the buffer's tail.
     const size_t tail = in.qo_indptr.bytes > 0 ? in.qo_indptr.offset : in.kv_indptr.offset;
     RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(inputs_.device() + tail, inputs_.host() + tail,
-                                                 in.bytes - tail, cudaMemcpyHostToDevice,
-                                                 stream_));
+                                                 in.bytes - tail, cudaMemcpyHostToDevice, stream_));
     bytes_in += static_cast<int64_t>(in.bytes - tail);
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(start_, stream_));
-    RETURN_IF_CUDA_ERROR(state_, launch_.Enqueue(stream_));
+    // The finiteness check first; its verdicts come back while the append (which skips the
+    // refused calls) and the attention run.
+    RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueCheck(stream_));
+    if (absl::Status st = refused_.Reserve(calls.size(), state_); !st.ok()) return st;
+    RETURN_IF_CUDA_ERROR(state_,
+                         cudaMemcpyAsync(refused_.data(), outputs_.device() + out.refused.offset,
+                                         out.refused.bytes, cudaMemcpyDeviceToHost, stream_));
+    RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(checked_, stream_));
+    RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAppend(stream_));
+    RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAttention(stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(stop_, stream_));
 
     // Outputs: straight into the callers' regions, and the rest in one copy into a pinned buffer
@@ -254,8 +310,15 @@ class CudaLane final : public Lane {
                                                    cudaMemcpyDeviceToHost, stream_));
       bytes_out += static_cast<int64_t>(out.bytes);
     }
+    // A refused call writes nothing into its regions: the region copies are queued once the
+    // verdicts are in (before the attention is done, so the wait costs the GPU nothing).
+    const bool any_region = std::any_of(calls.begin(), calls.end(), [](const AttentionCall* c) {
+      return c->out.in_region() || (c->return_lse && c->lse.in_region());
+    });
+    if (any_region) RETURN_IF_CUDA_ERROR(state_, cudaEventSynchronize(checked_));
     for (size_t i = 0; i < calls.size(); ++i) {
       AttentionCall& c = *calls[i];
+      if (refused_.data()[i] != 0) continue;
       const int64_t row = merged_.row_begin(i);
       auto to_region = [&](CallOutput& o, size_t section, int64_t row_bytes) -> absl::Status {
         const size_t bytes = static_cast<size_t>(c.total_q * row_bytes);
@@ -274,6 +337,10 @@ class CudaLane final : public Lane {
 
     for (size_t i = 0; i < calls.size(); ++i) {
       AttentionCall& c = *calls[i];
+      if (refused_.data()[i] != 0) {
+        c.refused = NonFiniteInputs(refused_.data()[i], g.kind);
+        continue;
+      }
       const int64_t row = merged_.row_begin(i);
       if (!c.out.in_region()) {
         c.out.result = SharedBytes{response, response.get() + out.out.offset + row * out_row,
@@ -307,10 +374,10 @@ class CudaLane final : public Lane {
     size_t run_begin = 0, run_end = 0;  // staged bytes of the section not yet copied
     auto flush = [&]() -> absl::Status {
       if (run_end > run_begin) {
-        RETURN_IF_CUDA_ERROR(
-            state_, cudaMemcpyAsync(inputs_.device() + section.offset + run_begin,
-                                    inputs_.host() + section.offset + run_begin,
-                                    run_end - run_begin, cudaMemcpyHostToDevice, stream_));
+        RETURN_IF_CUDA_ERROR(state_,
+                             cudaMemcpyAsync(inputs_.device() + section.offset + run_begin,
+                                             inputs_.host() + section.offset + run_begin,
+                                             run_end - run_begin, cudaMemcpyHostToDevice, stream_));
       }
       run_begin = run_end;
       return absl::OkStatus();
@@ -348,11 +415,14 @@ class CudaLane final : public Lane {
   const bool owns_stream_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  cudaEvent_t checked_ = nullptr;  // the finiteness verdicts are on the host
   void* workspace_ = nullptr;
   cuda::KernelTiling tiling_;
   int64_t max_partial_rows_ = 0;  // rows of the workspace
   // Reused across launches.
   MergedBatch merged_;
+  std::vector<int32_t> call_rows_;  // LaunchOptions::call_rows
+  PinnedArray<uint32_t> refused_;   // the launch's CallChecks::refused, copied back
   cuda::LaunchPlan launch_;
   StagingPair inputs_;
   StagingPair outputs_;  // device only: outputs go to regions or into `responses_`
@@ -385,6 +455,9 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+  // On the device, in the launch (kernels/cuda/check_finite.cu): inputs in CUDA IPC regions
+  // included, and at memory speed.
+  bool ChecksFiniteInputs() const override { return true; }
   std::string device() const override {
     return absl::StrFormat("%s (sm_%d%d, %d SMs, %.0f GiB)", props_.name, props_.major,
                            props_.minor, props_.multiProcessorCount,

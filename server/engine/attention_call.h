@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kernels/attention.h"
 #include "server/engine/host_bytes.h"
@@ -71,6 +72,9 @@ struct AttentionCall {
 
   float sm_scale = 0.f;
   bool return_lse = false;
+  // Set by a lane that refused this call of a launch that ran (Lane::Run): the call fails with
+  // it, the other calls of the launch are unaffected.
+  absl::Status refused;
 
   // out: [total_q, H, out_dim] bf16 (out_dim: head_dim for GQA, 512 for MLA); lse: [total_q, H]
   // float32, when return_lse.

@@ -25,8 +25,8 @@ struct LaunchStats {
   absl::Duration execute;  // waiting for the backend: GPU copies in, kernels, copies out, sync
   absl::Duration finish;   // writing each call's outputs into its response
   absl::Duration compute;  // append + attention within execute (device time on the GPU)
-  int64_t bytes_in = 0;          // inputs moved to the backend (host-to-device on the GPU)
-  int64_t bytes_out = 0;         // outputs moved back
+  int64_t bytes_in = 0;    // inputs moved to the backend (host-to-device on the GPU)
+  int64_t bytes_out = 0;   // outputs moved back
 };
 
 // Cuts a lane's Run into consecutive stages: Next(&stage) sets `stage` to the time since the
@@ -48,7 +48,9 @@ class Lane {
   virtual ~Lane() = default;
   // Appends the calls' new K/V and runs attention for all of them as one merged launch, then
   // writes each call's out (and lse when asked). All calls share op, pool, sm_scale and whether
-  // they append. Not thread safe: one caller at a time.
+  // they append. A backend that ChecksFiniteInputs() sets `refused` on a call whose inputs hold
+  // a NaN or Inf, appends none of its rows and leaves its response outputs unset (outputs it
+  // was to write into a region may have been written). Not thread safe: one caller at a time.
   virtual absl::StatusOr<LaunchStats> Run(absl::Span<AttentionCall* const> calls) = 0;
 };
 
@@ -58,6 +60,9 @@ class Backend {
   virtual std::string name() const = 0;    // "cpu" or "cuda"
   virtual std::string device() const = 0;  // human-readable device description
 
+  // True when the lanes refuse calls with NaN or Inf inputs themselves (AttentionCall::refused),
+  // so validation need not scan them on the host; false: validation must.
+  virtual bool ChecksFiniteInputs() const { return false; }
   // Allocates the storage of a pool; pools are numbered in the order they are added.
   virtual absl::Status AddPool(const PoolGeometry& geometry) = 0;
 

@@ -234,7 +234,7 @@ void Batcher::Launch(std::vector<std::unique_ptr<PendingCall>> batch) {
     if (stats.ok()) report.launch = *stats;
     report.batch_requests = per_session[p->session];
     report.batch_tokens = tokens;
-    Complete(*p, stats.status(), report);
+    Complete(*p, stats.ok() ? p->call.refused : stats.status(), report);
   }
 }
 

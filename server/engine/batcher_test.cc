@@ -2,6 +2,7 @@
 
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <string>
@@ -23,6 +24,7 @@ class RecordingLane final : public Lane {
     std::vector<std::vector<int>> batches ABSL_GUARDED_BY(mu);  // tags of each launch
     bool hold ABSL_GUARDED_BY(mu) = false;
     int running ABSL_GUARDED_BY(mu) = 0;
+    std::vector<int> refuse ABSL_GUARDED_BY(mu);  // tags of calls the lane refuses
   };
   explicit RecordingLane(Shared* shared) : shared_(shared) {}
 
@@ -32,7 +34,13 @@ class RecordingLane final : public Lane {
     shared_->mu.Await(absl::Condition(
         +[](Shared* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !s->hold; }, shared_));
     std::vector<int> tags;
-    for (const AttentionCall* c : calls) tags.push_back(c->layer);  // the test's tag
+    for (AttentionCall* c : calls) {
+      tags.push_back(c->layer);  // the test's tag
+      if (std::find(shared_->refuse.begin(), shared_->refuse.end(), c->layer) !=
+          shared_->refuse.end()) {
+        c->refused = absl::InvalidArgumentError("refused by the lane");
+      }
+    }
     shared_->batches.push_back(tags);
     --shared_->running;
     LaunchStats stats;
@@ -189,6 +197,30 @@ TEST_F(BatcherTest, MergesCallsQueuedBehindARunningLaunchInFifoOrder) {
   }
   EXPECT_EQ(b->launches(), 2);  // 11 calls, 2 launches
   EXPECT_EQ(Batches().back(), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+}
+
+// A call the lane refuses (Lane::Run sets AttentionCall::refused: its inputs failed the device's
+// check) fails alone; the calls merged with it succeed.
+TEST_F(BatcherTest, ARefusedCallFailsAloneInItsLaunch) {
+  BatchingOptions o;
+  o.max_queue_delay = absl::ZeroDuration();
+  auto b = Start(o);
+  Outcome first;
+  OccupyLane(*b, &first);
+  {
+    absl::MutexLock lock(&shared_.mu);
+    shared_.refuse = {2};
+  }
+  std::vector<Outcome> outs(4);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(b->Submit(MakeCall(i, &outs[i])).ok());
+  Hold(false);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(outs[i].done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+    EXPECT_EQ(outs[i].status.code(),
+              i == 2 ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kOk)
+        << i;
+  }
+  EXPECT_EQ(Batches().back(), (std::vector<int>{0, 1, 2, 3}));
 }
 
 TEST_F(BatcherTest, RespectsRequestAndTokenLimits) {

@@ -165,9 +165,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
   } else {
     grpc::ByteBuffer bytes(*in);  // parsing consumes the buffer; this copy shares its slices
     if (!grpc::SerializationTraits<Request>::Deserialize(&bytes, &call->request).ok()) {
-      parsed = absl::InvalidArgumentError(absl::StrCat(
-          "the request is not a valid ", Request::descriptor()->full_name(), " (", in->Length(),
-          " bytes): truncated or corrupt protobuf"));
+      parsed = absl::InvalidArgumentError(
+          absl::StrCat("the request is not a valid ", Request::descriptor()->full_name(), " (",
+                       in->Length(), " bytes): truncated or corrupt protobuf"));
     }
   }
   if (!parsed.ok()) {
@@ -202,8 +202,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerContext* ctx,
                                                         const grpc::ByteBuffer* in,
                                                         grpc::ByteBuffer* out) {
-  return Serve(kPrefill, ctx, in, out,
-               &AttentionServiceImpl::HandleAttention<v1::PrefillRequest>);
+  return Serve(kPrefill, ctx, in, out, &AttentionServiceImpl::HandleAttention<v1::PrefillRequest>);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Decode(grpc::CallbackServerContext* ctx,
@@ -230,8 +229,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterRegion(grpc::CallbackSer
   return Serve(kRegisterRegion, ctx, in, out, &AttentionServiceImpl::HandleRegisterRegion);
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterRegion(
-    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in, grpc::ByteBuffer* out) {
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                                                 const grpc::ByteBuffer* in,
+                                                                 grpc::ByteBuffer* out) {
   return Serve(kUnregisterRegion, ctx, in, out, &AttentionServiceImpl::HandleUnregisterRegion);
 }
 
@@ -248,9 +248,9 @@ absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(grpc::CallbackServe
   if (!auth_->enabled()) return Principal{CertificatePrincipal(ctx), false};
   const auto& metadata = ctx->client_metadata();
   auto it = metadata.find("authorization");
-  const absl::string_view token =
-      it == metadata.end() ? absl::string_view()
-                           : absl::string_view(it->second.data(), it->second.size());
+  const absl::string_view token = it == metadata.end()
+                                      ? absl::string_view()
+                                      : absl::string_view(it->second.data(), it->second.size());
   return auth_->Authenticate(token, method);
 }
 
@@ -351,8 +351,8 @@ void AttentionServiceImpl::HandleRegisterRegion(
 
 void AttentionServiceImpl::HandleUnregisterRegion(
     Call<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>& call) {
-  call.Complete(engine_->UnregisterRegion(call.CallerOf(call.request.session()),
-                                          call.request.name()));
+  call.Complete(
+      engine_->UnregisterRegion(call.CallerOf(call.request.session()), call.request.name()));
 }
 
 void AttentionServiceImpl::HandleListRegions(
@@ -383,11 +383,13 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
   const RegionResolver regions = [this, &caller](absl::Span<const SliceRef> slices) {
     return engine_->ResolveRegions(caller, slices);
   };
+  const FiniteCheck finite =
+      engine_->backend().ChecksFiniteInputs() ? FiniteCheck::kBackend : FiniteCheck::kHost;
   absl::StatusOr<ValidatedCall> valid;
   if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
-    valid = ValidatePrefill(req, call.tensors, g, regions);
+    valid = ValidatePrefill(req, call.tensors, g, regions, finite);
   } else {
-    valid = ValidateDecode(req, call.tensors, g, regions);
+    valid = ValidateDecode(req, call.tensors, g, regions, finite);
   }
   if (!valid.ok()) return call.Complete(valid.status());
   const int total_q = valid->call.total_q;

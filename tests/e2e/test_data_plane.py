@@ -187,6 +187,40 @@ def test_a_staged_page_table_serves_every_layer(
             s.close()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_non_finite_inputs_are_refused_and_append_nothing(
+    plane_server: PlaneServer, transport: str
+) -> None:
+    """A NaN or Inf in q or the new K/V fails the call with INVALID_ARGUMENT and appends nothing,
+    over every transport (the CUDA backend checks on the GPU: inputs in CUDA IPC regions too)."""
+    with client_for(plane_server, transport) as client:
+        driver = TorchCudaInputs(client) if transport == "cuda" else client
+        pool = client.pool_info("gqa")
+        shape = (1, pool.num_kv_heads, pool.head_dim)
+        (page,) = client.allocate_pages(1, "gqa")
+        try:
+            one = BatchCsr(np.array([0, 1], np.int32), np.array([0, 1], np.int32),
+                           np.array([page], np.int32), np.array([1], np.int32))  # fmt: skip
+            two = one._replace(kv_last_page_len=np.array([2], np.int32))
+            q0 = np.zeros((1, pool.num_qo_heads, pool.head_dim), np.uint16)  # bf16 0.0
+            half = np.full(shape, 0x3F00, np.uint16)  # bf16 0.5
+            driver.prefill(0, q=q0, k_new=half, v_new=half, table=one, pool="gqa")
+            for field, bits in (("k_new", 0x7FC0), ("v_new", 0xFF80), ("q", 0x7F80)):
+                two_0 = np.full(shape, 0x4000, np.uint16)  # bf16 2.0
+                inputs = {"q": q0.copy(), "k_new": two_0, "v_new": two_0.copy()}
+                inputs[field].reshape(-1)[3] = bits
+                with pytest.raises(AttnError) as refused:
+                    driver.decode(0, table=two, pool="gqa", **inputs)
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT, field
+                assert field in refused.value.message, refused.value.message
+            # q = 0 weighs both slots equally: 0.5 and the never-written (zeroed) slot 1 average
+            # to 0.25; an append of the refused calls' 2.0 would give 1.25.
+            result = driver.decode(0, q=q0, table=two, pool="gqa")
+            np.testing.assert_array_equal(result.output, np.full(q0.shape, 0.25, np.float32))
+        finally:
+            client.free_pages([page], "gqa")
+
+
 def test_bad_references_are_refused_and_change_nothing(plane_server: PlaneServer) -> None:
     """Each bad call would append K/V of 2.0 over the token of 0.5 at position 0; afterwards a
     read-only call still sees 0.5 (one key: the output is its value)."""
