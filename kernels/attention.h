@@ -4,7 +4,18 @@
 //
 // Semantics (docs/design.md, "Attention semantics"): bottom-right aligned causal mask, natural-exp
 // softmax over the visible keys, float32 accumulation, bf16 output, base-2 log-sum-exp of the
-// scaled logits. Rows that see no key get output 0 and lse kEmptyRowLse.
+// scaled logits.
+//
+// Which rows are empty is decided by the geometry (VisibleKeys below), never by a softmax state:
+// - a row that sees no key (VisibleKeys == 0): output 0, lse kEmptyRowLse;
+// - a row that sees keys: out = acc / sum and lse = m + log2(sum) while the running max m is
+//   finite and sum is positive and finite; otherwise its float32 logits overflowed (a logit +inf
+//   or NaN, or every visible logit -inf) and output and lse are NaN. Inputs are refused when not
+//   finite, so only overflow gets there (q or sm_scale near float's range). A key whose logit is
+//   -inf while another key's is finite simply gets probability 0.
+// - split-KV: a chunk's partial lse is -inf when its sum is 0 (weight 0 in the merge: a chunk may
+//   see no key of a row, or only -inf logits), else m + log2(sum), so NaN and +inf reach the
+//   merge, whose row follows the rule above with "sees keys" = the row has a chunk.
 #pragma once
 
 #include <cstdint>

@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels/cpu/float_env.h"
@@ -705,17 +706,24 @@ ATTN_CPU_INLINE void ProcessTile(const Launch& L, Scratch& s, int m_begin, int m
   }
 }
 
-// Normalizes one query vector's state into out / lse (the contract's empty-row rule included).
-ATTN_CPU_INLINE void WriteOutput(const Launch& L, int64_t vec, const float* o, float max,
-                                 float sum) {
+// Normalizes one query vector's state into out / lse, by the contract's rule (kernels/attention.h):
+// a vector that saw no key (sees_keys is the geometry's answer, VisibleKeys > 0, never the
+// state's) gets 0 / kEmptyRowLse; one that saw keys gets acc / sum when its max is finite and sum
+// positive and finite, and NaN otherwise: its float32 logits overflowed (a +inf logit makes the
+// max +inf and the sum NaN, a NaN logit the sum NaN; every logit -inf leaves the sum 0).
+ATTN_CPU_INLINE void WriteOutput(const Launch& L, int64_t vec, const float* o, float max, float sum,
+                                 bool sees_keys) {
   bf16* out = L.out + vec * L.v_dim;
-  if (sum > 0.f) {
+  if (!sees_keys) {
+    std::fill(out, out + L.v_dim, bf16{0});
+    if (L.lse) L.lse[vec] = kEmptyRowLse;
+  } else if (std::isfinite(max) && std::isfinite(sum) && sum > 0.f) {
     const float inv = 1.f / sum;
     for (int d = 0; d < L.v_dim; ++d) out[d] = FloatToBf16(o[d] * inv);
     if (L.lse) L.lse[vec] = max + std::log2(sum);
   } else {
-    std::fill(out, out + L.v_dim, bf16{0});
-    if (L.lse) L.lse[vec] = kEmptyRowLse;
+    std::fill(out, out + L.v_dim, kBf16QuietNan);
+    if (L.lse) L.lse[vec] = std::numeric_limits<float>::quiet_NaN();
   }
 }
 
@@ -732,8 +740,8 @@ ATTN_CPU_INLINE void StoreResults(const Launch& L, const SeqExtent& e, const Cpu
       partials.ml[2 * state] = s.max[m];
       partials.ml[2 * state + 1] = s.sum[m];
     } else {
-      WriteOutput(L, (int64_t{e.q_begin} + pos.row) * L.num_heads + pos.head, o, s.max[m],
-                  s.sum[m]);
+      WriteOutput(L, (int64_t{e.q_begin} + pos.row) * L.num_heads + pos.head, o, s.max[m], s.sum[m],
+                  VisibleKeys(e, pos.row, L.causal) > 0);
     }
   }
 }
@@ -801,6 +809,9 @@ ATTN_CPU_MULTIVERSION void ProcessItem(const Launch& L, const SeqExtent& e, cons
 
 // Combines the chunk states of one query row of a split sequence (all heads) into the output:
 // max* = max_c max_c, sum* = sum_c sum_c 2^(max_c - max*), out = sum_c o_c 2^(max_c - max*) / sum*.
+// A chunk whose logits overflowed carries a +inf max or a NaN sum into max* or sum* (w * NaN is
+// NaN even where w is 0), so WriteOutput turns the row into NaN; a chunk whose visible logits were
+// all -inf has sum 0 and adds nothing, which is right while another chunk has a finite one.
 ATTN_CPU_MULTIVERSION void MergeRow(const Launch& L, const Plan& plan, int seq, int row) {
   const SeqExtent& e = plan.seqs[seq];
   const Partials& part = plan.partials;
@@ -823,7 +834,7 @@ ATTN_CPU_MULTIVERSION void MergeRow(const Launch& L, const Plan& plan, int seq, 
       const float* __restrict__ o = part.o.data() + state(c) * L.v_dim;
       for (int d = 0; d < L.v_dim; ++d) acc[d] += w * o[d];
     }
-    WriteOutput(L, (int64_t{e.q_begin} + row) * L.num_heads + head, acc, max, sum);
+    WriteOutput(L, (int64_t{e.q_begin} + row) * L.num_heads + head, acc, max, sum, visible > 0);
   }
 }
 

@@ -305,6 +305,83 @@ TEST(CpuAttentionSplitKvTest, MlaDecodeLongContext) {
   CheckMla({1, 64, 8}, {{3, 1000}}, o, pool);
 }
 
+// Logits past float32's range come back NaN in every row that sees a key, never as the empty-row
+// encoding; rows that see no key stay 0 / kEmptyRowLse. Each batch runs with q = 1e38, with
+// sm_scale = 1e38 and with every logit -inf (MakeLogitsOverflow).
+template <typename HostBatch, typename Geometry, typename MakeBatch, typename Attend>
+void CheckOverflow(const Geometry& g, int num_heads, int v_dim, const std::vector<SeqSpec>& seqs,
+                   const BatchOptions& o, MakeBatch make_batch, Attend attend) {
+  for (testing::Overflow how : {testing::Overflow::kHugeQuery, testing::Overflow::kHugeScale,
+                                testing::Overflow::kMinusInf}) {
+    const uint64_t seed = FreshSeed();
+    SCOPED_TRACE("seed=" + std::to_string(seed) + " (ATTN_TEST_SEED) overflow=" +
+                 std::to_string(static_cast<int>(how)) + " " + Describe(seqs, o));
+    std::mt19937_64 rng(seed);
+    HostBatch b = make_batch(g, seqs, o, rng);
+    testing::MakeLogitsOverflow(how, &b);
+    attend(b.Params());
+    std::string report;
+    EXPECT_EQ(testing::CheckOverflowRows(b.table, g.page_size, b.causal, num_heads, v_dim, b.out,
+                                         b.lse, &report),
+              0)
+        << report;
+  }
+}
+
+void CheckGqaOverflow(const GqaGeometry& g, const std::vector<SeqSpec>& seqs, const BatchOptions& o,
+                      ThreadPool& pool) {
+  CheckOverflow<GqaHostBatch>(g, g.num_qo_heads, g.head_dim, seqs, o, testing::MakeGqaBatch,
+                              [&](const GqaParams& p) {
+                                GqaAppendKv(p, pool);
+                                GqaAttention(p, pool);
+                              });
+}
+
+void CheckMlaOverflow(const MlaGeometry& g, const std::vector<SeqSpec>& seqs, const BatchOptions& o,
+                      ThreadPool& pool) {
+  CheckOverflow<MlaHostBatch>(g, g.num_heads, kMlaCkvDim, seqs, o, testing::MakeMlaBatch,
+                              [&](const MlaParams& p) {
+                                MlaAppendKv(p, pool);
+                                MlaAttention(p, pool);
+                              });
+}
+
+TEST(CpuAttentionOverflowTest, GqaPrefillAndDecode) {
+  ThreadPool pool(3);
+  BatchOptions prefill;
+  prefill.append = true;
+  BatchOptions decode = prefill;
+  decode.decode = true;
+  for (SimdWidth w : {SimdWidth::k16, SimdWidth::k8, SimdWidth::k4}) {
+    SetSimdWidthForTesting(w);
+    // Ragged, with q_len > kv_len rows that see no key and an empty sequence.
+    CheckGqaOverflow({1, 16, 8, 2, 128}, PrefillSeqs(16, false), prefill, pool);
+    CheckGqaOverflow({1, 5, 6, 2, 64}, DecodeSeqs(5, false), decode, pool);
+  }
+  SetSimdWidthForTesting(SimdWidth::kAuto);
+  // Split-KV (as in CpuAttentionSplitKvTest): one long sequence of few rows, the merge included.
+  CheckGqaOverflow({1, 16, 8, 1, 128}, {{8, 2000}}, prefill, pool);
+  CheckGqaOverflow({1, 5, 16, 1, 64}, {{4, 0}, {20, 900}, {0, 0}}, prefill, pool);
+  CheckGqaOverflow({1, 16, 8, 2, 128}, {{1, 3000}, {1, 700}}, decode, pool);
+  prefill.causal = false;
+  prefill.with_lse = false;
+  CheckGqaOverflow({1, 16, 8, 1, 128}, {{8, 2000}}, prefill, pool);
+}
+
+TEST(CpuAttentionOverflowTest, MlaPrefillAndDecode) {
+  ThreadPool pool(3);
+  BatchOptions prefill;
+  prefill.append = true;
+  prefill.sm_scale = 0.1352337747812271f;
+  BatchOptions decode = prefill;
+  decode.decode = true;
+  CheckMlaOverflow({1, 16, 8}, PrefillSeqs(16, false), prefill, pool);
+  CheckMlaOverflow({1, 16, 16}, DecodeSeqs(16, false), decode, pool);
+  // Split-KV.
+  CheckMlaOverflow({1, 64, 16}, {{1, 1500}, {1, 40}}, decode, pool);
+  CheckMlaOverflow({1, 64, 8}, {{3, 1000}}, prefill, pool);
+}
+
 // Subnormals count as zero inside the kernels (they made inputs with tiny values run 7-9x slower):
 // queries of 2^-133 against keys of +-2^126 score +-0.125 (base 2) exactly, but 0 when flushed, so
 // the softmax is uniform and lse is log2(4). The caller's floating-point mode is left alone.

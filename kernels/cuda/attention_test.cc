@@ -254,10 +254,10 @@ struct GqaShape {
 
 // Real-model geometries (docs/design.md, "Attention semantics") plus group sizes 3, 5 and 7.
 const GqaShape kGqaShapes[] = {
-    {32, 8, 128}, {32, 4, 128}, {16, 2, 128}, {20, 4, 128}, {24, 8, 128}, {24, 4, 128},
-    {32, 16, 128}, {40, 10, 128}, {48, 8, 128}, {5, 1, 128}, {6, 1, 128},  {16, 1, 128},
-    {8, 1, 128},  {28, 4, 128},  {32, 8, 64},  {16, 2, 64},  {64, 8, 64},  {6, 2, 64},
-    {10, 2, 64},  {7, 1, 64},    {8, 1, 256},  {12, 2, 256}, {14, 2, 256}};
+    {32, 8, 128},  {32, 4, 128},  {16, 2, 128}, {20, 4, 128}, {24, 8, 128}, {24, 4, 128},
+    {32, 16, 128}, {40, 10, 128}, {48, 8, 128}, {5, 1, 128},  {6, 1, 128},  {16, 1, 128},
+    {8, 1, 128},   {28, 4, 128},  {32, 8, 64},  {16, 2, 64},  {64, 8, 64},  {6, 2, 64},
+    {10, 2, 64},   {7, 1, 64},    {8, 1, 256},  {12, 2, 256}, {14, 2, 256}};
 
 class KernelTest : public ::testing::Test {
  protected:
@@ -281,9 +281,7 @@ void GqaPrefillSweep(const std::vector<int>& candidates) {
   }
 }
 
-TEST_F(KernelTest, GqaPrefillSweep) {
-  GqaPrefillSweep(kCheckedPrefillVariants);
-}
+TEST_F(KernelTest, GqaPrefillSweep) { GqaPrefillSweep(kCheckedPrefillVariants); }
 
 TEST_F(KernelTest, GqaDecodeSweep) {
   for (const GqaShape& s : kGqaShapes) {
@@ -313,6 +311,115 @@ TEST_F(KernelTest, MlaSweep) {
         SCOPED_TRACE(::testing::Message()
                      << "mla h" << heads << " page " << page_size << " " << c.name);
         RunMla(g, c);
+      }
+    }
+  }
+}
+
+// Logits past float32's range (kernels/attention.h; MakeLogitsOverflow builds them: q = 1e38,
+// sm_scale = 1e38, every logit -inf): every row that sees a key comes back NaN, never as the
+// empty-row encoding, and rows that see none stay 0 / kEmptyRowLse, through every kernel, split
+// and unsplit. Outputs start finite (0x3f bytes: about 0.75 in bf16 and float32), so a row no
+// kernel writes fails as well.
+constexpr Overflow kOverflows[] = {Overflow::kHugeQuery, Overflow::kHugeScale, Overflow::kMinusInf};
+constexpr int kFiniteBytes = 0x3f;
+// Short chunks for the split cases, so that they split on any GPU (the others keep the kernels'
+// own minimum, longer than any of their sequences, and do not split).
+PlanOverrides OverflowPlan(bool split) { return split ? PlanOverrides{64, 0} : PlanOverrides{}; }
+
+struct OverflowCase {
+  std::string name;
+  std::vector<SeqSpec> seqs;
+  BatchOptions options;
+  bool split;  // the plan must split KV (and merge), or must not
+};
+
+void ExpectOverflowRows(DeviceBatch& device, const HostPageTable& t, int page_size, bool causal,
+                        int num_heads, int v_dim, bool split) {
+  ASSERT_EQ(!device.plan().merges.empty(), split)
+      << (split ? "the plan does not split" : "the plan splits");
+  ASSERT_CUDA_OK(device.PoisonOutputs(nullptr, kFiniteBytes));
+  ASSERT_CUDA_OK(device.Run(nullptr));
+  std::vector<bf16> out, cache;
+  std::vector<float> lse;
+  ASSERT_CUDA_OK(device.Download(&out, &lse, &cache));
+  std::string report;
+  EXPECT_EQ(CheckOverflowRows(t, page_size, causal, num_heads, v_dim, out, lse, &report), 0)
+      << report;
+}
+
+void RunGqaOverflow(const GqaGeometry& g, const OverflowCase& c, const std::vector<int>& variants) {
+  for (Overflow how : kOverflows) {
+    std::mt19937_64 rng(Seed());
+    GqaHostBatch host = MakeGqaBatch(g, c.seqs, c.options, rng);
+    MakeLogitsOverflow(how, &host);
+    for (int v : variants) {
+      SCOPED_TRACE(::testing::Message()
+                   << c.name << " overflow " << static_cast<int>(how) << " variant " << v);
+      std::unique_ptr<DeviceBatch> device;
+      ASSERT_CUDA_OK(DeviceBatch::Create(host, &device, v, OverflowPlan(c.split)));
+      ExpectOverflowRows(*device, host.table, g.page_size, host.causal, g.num_qo_heads, g.head_dim,
+                         c.split);
+    }
+  }
+}
+
+void RunMlaOverflow(const MlaGeometry& g, const OverflowCase& c) {
+  for (Overflow how : kOverflows) {
+    SCOPED_TRACE(::testing::Message() << c.name << " overflow " << static_cast<int>(how));
+    std::mt19937_64 rng(Seed());
+    MlaHostBatch host = MakeMlaBatch(g, c.seqs, c.options, rng);
+    MakeLogitsOverflow(how, &host);
+    std::unique_ptr<DeviceBatch> device;
+    ASSERT_CUDA_OK(DeviceBatch::Create(host, &device, OverflowPlan(c.split)));
+    ExpectOverflowRows(*device, host.table, g.page_size, host.causal, g.num_heads, kMlaCkvDim,
+                       c.split);
+  }
+}
+
+// Prefill and decode batches: ragged with q_len > kv_len rows and empty sequences, unsplit; one
+// long sequence next to short ones, split (q_len > kv_len rows inside a split sequence too).
+std::vector<OverflowCase> OverflowCases(bool decode) {
+  BatchOptions append;
+  append.append = true;
+  append.decode = decode;
+  BatchOptions attend;
+  attend.decode = decode;
+  if (decode) {
+    return {{"decode_ragged", Decode({1, 16, 333, 0}), append, false},
+            {"decode_split", Decode({4096, 0, 3}), append, true},
+            {"decode_split_attend", Decode({2000, 1}), attend, true}};
+  }
+  BatchOptions full = attend;
+  full.causal = false;
+  full.with_lse = false;
+  return {{"prefill_ragged",
+           {{1, 1, 0}, {37, 37, 0}, {9, 4, 0}, {0, 0, 0}, {3, 16, 0}, {70, 130, 0}},
+           append,
+           false},
+          {"prefill_non_causal", {{12, 90, 0}, {4, 2, 0}}, full, false},
+          {"prefill_split", {{8, 4096, 0}, {6, 3, 0}}, append, true},
+          {"prefill_split_unseeing_rows", {{100, 90, 0}}, attend, true}};
+}
+
+TEST_F(KernelTest, GqaOverflowIsNaN) {
+  for (const GqaShape& s : {GqaShape{32, 8, 128}, GqaShape{16, 2, 64}, GqaShape{8, 1, 256}}) {
+    const GqaGeometry g{1, 16, s.qo, s.kv, s.dim};
+    SCOPED_TRACE(::testing::Message() << s.qo << "/" << s.kv << " d" << s.dim);
+    const std::vector<int> variants = PrefillVariants(s.dim, kCheckedPrefillVariants);
+    for (const OverflowCase& c : OverflowCases(false)) RunGqaOverflow(g, c, variants);
+    for (const OverflowCase& c : OverflowCases(true)) RunGqaOverflow(g, c, {-1});
+  }
+}
+
+TEST_F(KernelTest, MlaOverflowIsNaN) {
+  for (int heads : {16, 128}) {
+    const MlaGeometry g{1, 16, heads};
+    SCOPED_TRACE(::testing::Message() << "mla h" << heads);
+    for (bool decode : {false, true}) {
+      for (OverflowCase c : OverflowCases(decode)) {
+        c.options.sm_scale = 0.1352337747812271f;
+        RunMlaOverflow(g, c);
       }
     }
   }

@@ -165,12 +165,15 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  const RowSink cta_sink = sink.ForItem(item.partial_row, seq.q_begin, kv_head * group);
+  const RowSink cta_sink = sink.ForItem(item.partial_row, seq, p.causal, kv_head * group);
   constexpr int kVecs = kHeadDim / 4;  // float4 columns per row
   for (int idx = tid; idx < kBlockM * kVecs; idx += kThreads) {
     const int r = idx / kVecs, c = (idx % kVecs) * 4;
     const int packed = item.row_begin + r;
     if (packed >= num_rows) continue;
+    // A warp whose logits overflowed passes it on: its NaN sum stays NaN under any weight, and its
+    // +inf max makes its weight 2^(inf - inf) = NaN (softmax_state.cuh). The sink's Inverse and
+    // StoreLse turn the merged state into the contract's NaN or empty row.
     float weight[kWarps];
     const auto merged = exchange.Merge(r, weight);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -184,8 +187,8 @@ __global__ void __launch_bounds__(kThreads)
       acc[3] += weight[w] * v.w;
     }
     const int64_t row = cta_sink.Row(packed);
-    cta_sink.StoreColumns(row, c, acc, InverseSum(merged.sum));
-    if (c == 0) cta_sink.StoreLse(row, merged.m, merged.sum);
+    cta_sink.StoreColumns(row, c, acc, cta_sink.Inverse(packed, merged.m, merged.sum));
+    if (c == 0) cta_sink.StoreLse(packed, row, merged.m, merged.sum);
   }
 }
 

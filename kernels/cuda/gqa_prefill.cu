@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   WaitAsyncGroups<0>();  // an item without keys still loaded Q
 
-  const RowSink cta_sink = sink.ForItem(item.partial_row, seq.q_begin, kv_head * group);
+  const RowSink cta_sink = sink.ForItem(item.partial_row, seq, p.causal, kv_head * group);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
     const float sums[2] = {softmax[mt].RowSum(0), softmax[mt].RowSum(1)};

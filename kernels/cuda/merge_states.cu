@@ -54,7 +54,11 @@ __global__ void __launch_bounds__(kMaxThreads)
     local += s_weight[s];
   }
   const float sum = reduce(local, false);  // its barriers also publish s_weight
-  const float inv = InverseSum(sum);
+  // The contract's rule for the merged row, with "sees keys" = the token has a chunk. fmaxf above
+  // drops a NaN chunk lse, but its weight 2^(NaN - base) is NaN, and so is a +inf chunk's
+  // 2^(inf - inf): either makes sum NaN. Chunks that are all -inf leave max_lse -inf and sum 0.
+  const bool sees_keys = m.num_splits > 0;
+  const float inv = InverseSum(sees_keys, max_lse, sum);
 
   for (int c = tid * 4; c < out_dim; c += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -73,7 +77,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   }
   if (lse != nullptr && tid == 0) {
-    lse[int64_t{m.out_row} * num_heads + head] = FinalLse(base, sum);
+    lse[int64_t{m.out_row} * num_heads + head] = FinalLse(sees_keys, max_lse, sum);
   }
 }
 

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
   }
   __syncthreads();
   const float sums[2] = {exchange.SumOf(row_g), exchange.SumOf(row_g + 8)};
-  const RowSink cta_sink = sink.ForItem(item.partial_row, seq.q_begin, 0);
+  const RowSink cta_sink = sink.ForItem(item.partial_row, seq, p.causal, 0);
   StoreRows(cta_sink, o, softmax.m, sums, item.row_begin + rg * 16, num_rows, cw * kOutCols, lane,
             cw == 0);
 }

@@ -95,8 +95,8 @@ cudaError_t DeviceBatch::Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>
   return cudaSuccess;
 }
 
-cudaError_t DeviceBatch::PoisonOutputs(cudaStream_t stream) {
-  return cudaMemsetAsync(outputs_.get<void>(), 0xff, outputs_.bytes(), stream);
+cudaError_t DeviceBatch::PoisonOutputs(cudaStream_t stream, int byte) {
+  return cudaMemsetAsync(outputs_.get<void>(), byte, outputs_.bytes(), stream);
 }
 
 cudaError_t DeviceBatch::Download(std::vector<bf16>* out, std::vector<float>* lse,

@@ -71,8 +71,9 @@ class DeviceBatch {
   cudaError_t Run(cudaStream_t stream) { return launch_.Enqueue(stream); }
   // Attention alone (what a benchmark times once the cache is filled).
   cudaError_t RunAttention(cudaStream_t stream) { return launch_.EnqueueAttention(stream); }
-  // Fills the NaN-poisoned outputs again (0xff bytes are NaN in bf16 and float32).
-  cudaError_t PoisonOutputs(cudaStream_t stream);
+  // Fills the outputs with `byte`: by default NaN-poisoned again (0xff bytes are NaN in bf16 and
+  // float32); a test that expects NaN fills them with a finite pattern instead.
+  cudaError_t PoisonOutputs(cudaStream_t stream, int byte = 0xff);
 
   // Copies out, lse and the cache back (synchronizes).
   cudaError_t Download(std::vector<bf16>* out, std::vector<float>* lse,

@@ -183,6 +183,82 @@ void PoisonOutputs(std::vector<bf16>& out, std::vector<float>& lse) {
   std::fill(lse.begin(), lse.end(), std::numeric_limits<float>::quiet_NaN());
 }
 
+namespace {
+
+// Finite elements x of v become 0.5 + |x| / 2; NaN (slots without a token) stays NaN.
+void MakePositive(std::vector<bf16>& v) {
+  for (bf16& x : v) {
+    const float f = Bf16ToFloat(x);
+    if (std::isfinite(f)) x = FloatToBf16(0.5f + 0.5f * std::abs(f));
+  }
+}
+
+// Queries for `how` (already positive), and the finite sentinel in the outputs.
+void ApplyOverflow(Overflow how, std::vector<bf16>* q0, std::vector<bf16>* q1, float* sm_scale,
+                   std::vector<bf16>& out, std::vector<float>& lse) {
+  for (std::vector<bf16>* q : {q0, q1}) {
+    if (q == nullptr) continue;
+    MakePositive(*q);
+    if (how != Overflow::kHugeScale) {
+      std::fill(q->begin(), q->end(), FloatToBf16(how == Overflow::kHugeQuery ? 1e38f : -1e38f));
+    }
+  }
+  if (how == Overflow::kHugeScale) *sm_scale = 1e38f;
+  std::fill(out.begin(), out.end(), FloatToBf16(1.f));
+  std::fill(lse.begin(), lse.end(), 1.f);
+}
+
+}  // namespace
+
+void MakeLogitsOverflow(Overflow how, GqaHostBatch* b) {
+  MakePositive(b->cache);
+  MakePositive(b->k_new);
+  MakePositive(b->v_new);
+  ApplyOverflow(how, &b->q, nullptr, &b->sm_scale, b->out, b->lse);
+}
+
+void MakeLogitsOverflow(Overflow how, MlaHostBatch* b) {
+  MakePositive(b->cache);
+  MakePositive(b->ckv_new);
+  MakePositive(b->kpe_new);
+  ApplyOverflow(how, &b->q_nope, &b->q_pe, &b->sm_scale, b->out, b->lse);
+}
+
+int64_t CheckOverflowRows(const HostPageTable& t, int page_size, bool causal, int num_heads,
+                          int v_dim, const std::vector<bf16>& out, const std::vector<float>& lse,
+                          std::string* report, int max_report) {
+  const PagedBatch b = t.View();
+  int64_t failures = 0;
+  for (int seq = 0; seq < b.batch_size; ++seq) {
+    const SeqExtent e = GetSeqExtent(b, page_size, seq);
+    for (int i = 0; i < e.q_len; ++i) {
+      const bool sees = VisibleKeys(e, i, causal) > 0;
+      for (int h = 0; h < num_heads; ++h) {
+        const int64_t vec = (int64_t{e.q_begin} + i) * num_heads + h;
+        int64_t bad = -1;  // the first element that is not the contract's answer
+        for (int d = 0; d < v_dim && bad < 0; ++d) {
+          const float x = Bf16ToFloat(out[vec * v_dim + d]);
+          if (sees ? !std::isnan(x) : x != 0.f) bad = d;
+        }
+        const bool bad_lse =
+            !lse.empty() && (sees ? !std::isnan(lse[vec]) : lse[vec] != kEmptyRowLse);
+        if (bad < 0 && !bad_lse) continue;
+        if (failures++ < max_report && report != nullptr) {
+          char line[200];
+          std::snprintf(line, sizeof(line), "row %lld head %d (%s): out[%lld] = %.6g, lse = %.6g\n",
+                        static_cast<long long>(e.q_begin + i), h,
+                        sees ? "sees keys, wants NaN" : "sees no key, wants 0 / kEmptyRowLse",
+                        static_cast<long long>(bad < 0 ? 0 : bad),
+                        Bf16ToFloat(out[vec * v_dim + (bad < 0 ? 0 : bad)]),
+                        lse.empty() ? 0.0 : double{lse[vec]});
+          *report += line;
+        }
+      }
+    }
+  }
+  return failures;
+}
+
 bool WithinTolerance(double x, double ref) {
   const double diff = std::abs(x - ref);
   return !(diff > 1e-2 && diff / (std::abs(ref) + 1e-8) > 1e-2);

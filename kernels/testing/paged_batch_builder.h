@@ -110,6 +110,29 @@ MlaHostBatch MakeMlaBatch(const MlaGeometry& geometry, const std::vector<SeqSpec
 // Makes every element of out NaN and of lse NaN again (before rerunning a kernel on the batch).
 void PoisonOutputs(std::vector<bf16>& out, std::vector<float>& lse);
 
+// ---- Logits past float32's range (docs/design.md, "Attention semantics": such rows are NaN).
+
+enum class Overflow {
+  kHugeQuery,  // every query element 1e38: every logit is +inf
+  kHugeScale,  // sm_scale 1e38: every scaled logit is +inf
+  kMinusInf,   // every query element -1e38: every logit is -inf
+};
+
+// Rewrites a batch made above so that the float32 logit of every query with every key overflows,
+// whatever the backend's summation order: the cache's tokens, the new rows and the queries become
+// positive (0.5 + |x| / 2, in [0.5, 1]), so every partial sum of a dot product grows the same way,
+// then `how` is applied. out and lse are filled with 1, a finite value, so that a row a kernel
+// does not write cannot pass for NaN.
+void MakeLogitsOverflow(Overflow how, GqaHostBatch* b);
+void MakeLogitsOverflow(Overflow how, MlaHostBatch* b);
+
+// The contract's answer for such a batch: a row that sees a key has every output element and its
+// lse NaN; a row that sees none has output 0 and lse kEmptyRowLse. Returns the number of (row,
+// head) vectors that differ and appends up to max_report descriptions to *report.
+int64_t CheckOverflowRows(const HostPageTable& t, int page_size, bool causal, int num_heads,
+                          int v_dim, const std::vector<bf16>& out, const std::vector<float>& lse,
+                          std::string* report, int max_report = 8);
+
 // ---- Judging results (docs/design.md, "Attention semantics": tolerance).
 
 // An element fails only if |x - ref| > 1e-2 and |x - ref| / (|ref| + 1e-8) > 1e-2.

@@ -6,11 +6,13 @@ import threading
 import zlib
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 
-from attnserve import BatchCsr, Client
+from attnserve import AttnError, BatchCsr, Client
 from attnserve.reference import EMPTY_ROW_LSE
+from attnserve.tensors import float_to_bf16
 
 from workload import PoolSession
 
@@ -81,6 +83,45 @@ def test_decode_of_an_empty_sequence(session: PoolSession) -> None:
     session.grow(["empty"], [0])
     result = session.decode(["a", "empty"], new_kv=False)
     assert (result.output[1] == 0).all() and (result.lse[1] == np.float32(EMPTY_ROW_LSE)).all()
+
+
+@pytest.mark.parametrize("pool", ["gqa", "mla"])
+def test_overflowing_logits_come_back_nan(client: Client, pool: str) -> None:
+    """q = 1e38, or sm_scale = 1e38, overflows the float32 logits: a row that sees keys comes back
+    NaN (or the call fails), never as a row that sees no key (output 0, lse EMPTY_ROW_LSE); an
+    empty sequence in the same call still does. Keys and queries are positive, so every logit
+    overflows to +inf whatever the order of the sums."""
+    s = PoolSession(client, client.pool_info(pool), seed=9)
+    try:
+        s.grow(["a"], [5])
+        s.grow(["empty"], [0])
+
+        def positive(n: int) -> dict[str, np.ndarray]:
+            return {k: v & np.uint16(0x7FFF) for k, v in s.tokens(n).items()}  # clear the sign
+
+        table = s.table.csr(["a"], [5])
+        prefilled = client.prefill(
+            0, table=table, pool=pool, sm_scale=s.default_scale, **positive(5)
+        )
+        assert np.isfinite(prefilled.output).all()
+        table = s.table.csr(["a", "empty"])
+        queries = {k: v for k, v in positive(2).items() if not k.endswith("_new")}
+        huge_q = {k: float_to_bf16(np.full(v.shape, 1e38, np.float32)) for k, v in queries.items()}
+        cases = {"q = 1e38": (huge_q, s.default_scale), "sm_scale = 1e38": (queries, 1e38)}
+        for what, (q, scale) in cases.items():
+            try:
+                result = client.decode(
+                    0, table=table, pool=pool, sm_scale=scale, return_lse=True, **q
+                )
+            except AttnError as e:  # refusing the call is an answer too; a wrong number is not
+                assert e.code == grpc.StatusCode.INVALID_ARGUMENT, (what, e)
+                continue
+            assert np.isnan(result.output[0]).all(), what
+            assert np.isnan(result.lse[0]).all(), what
+            assert (result.output[1] == 0).all(), what
+            np.testing.assert_array_equal(result.lse[1], np.float32(EMPTY_ROW_LSE), what)
+    finally:
+        s.close()
 
 
 def test_explicit_sm_scale(session: PoolSession) -> None:

@@ -1,7 +1,9 @@
 // The epilogue every attention kernel ends with: writing a CTA's finished rows, either the final
 // bf16 output (+ base-2 lse) or, for a split-KV chunk, float32 partial (output, lse) rows for the
 // merge pass (kernels/cuda/merge_states.cu). Rows are normalized and their lse finished with the
-// softmax helpers (softmax_state.cuh), so the empty-row rule lives in one place.
+// softmax helpers (softmax_state.cuh), so the rules for rows that see no key and for overflowed
+// logits live in one place; whether a final row sees a key is the sequence's geometry
+// (RowSink::SeesKeys), never read off the softmax state.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,12 +33,14 @@ class RowSink {
   }
 
   // One CTA's rows: those of a work item with WorkItem::partial_row `partial_row` (-1: final
-  // output), of a sequence whose first query row is q_begin, for query heads from head_base.
-  __device__ __forceinline__ RowSink ForItem(int32_t partial_row, int q_begin,
+  // output), of sequence `seq` (masked causally or not, as the launch), for query heads from
+  // head_base.
+  __device__ __forceinline__ RowSink ForItem(int32_t partial_row, const SeqExtent& seq, bool causal,
                                              int head_base) const {
     RowSink s = *this;
     s.partial_row_ = partial_row;
-    s.q_begin_ = q_begin;
+    s.seq_ = seq;
+    s.causal_ = causal;
     s.head_base_ = head_base;
     return s;
   }
@@ -50,10 +54,22 @@ class RowSink {
     const int token = packed_row / group_;
     const int head = head_base_ + packed_row % group_;
     return partial() ? int64_t{partial_row_} + int64_t{token} * num_heads_ + head
-                     : (int64_t{q_begin_} + token) * num_heads_ + head;
+                     : (int64_t{seq_.q_begin} + token) * num_heads_ + head;
   }
 
-  // Columns [col, col + kCols) of `row` (Row()), multiplied by inv (InverseSum): float32 into the
+  // True when packed row p's token sees at least one key of its sequence. A final row's item
+  // covers every key its rows see, so this is also whether the row's state saw a key.
+  __device__ __forceinline__ bool SeesKeys(int packed_row) const {
+    return VisibleKeys(seq_, packed_row / group_, causal_) > 0;
+  }
+
+  // The factor packed row p's columns are multiplied by, from the row's final (max, sum):
+  // ChunkInverseSum for a partial, InverseSum for a final row.
+  __device__ __forceinline__ float Inverse(int packed_row, float m, float sum) const {
+    return partial() ? ChunkInverseSum(sum) : InverseSum(SeesKeys(packed_row), m, sum);
+  }
+
+  // Columns [col, col + kCols) of `row` (Row()), multiplied by inv (Inverse()): float32 into the
   // workspace for a partial, bf16 (round to nearest even) into out otherwise. The two halves are
   // there for a caller that stores several fragments of one row and tests partial() once.
   template <int kCols>
@@ -92,20 +108,21 @@ class RowSink {
   // True when the launch writes lse.
   __device__ __forceinline__ bool has_lse() const { return lse_ != nullptr; }
 
-  // The lse of `row` from its final (max, sum): PartialLse into the workspace, or FinalLse into
-  // lse when the launch asked for it (has_lse(): the caller of StoreOutputLse checks). One thread
-  // per row calls it; the halves as above.
+  // The lse of packed row p, at `row` (Row(p)), from its final (max, sum): PartialLse into the
+  // workspace, or FinalLse into lse when the launch asked for it (has_lse(): the caller of
+  // StoreOutputLse checks). One thread per row calls it; the halves as above.
   __device__ __forceinline__ void StorePartialLse(int64_t row, float m, float sum) const {
     partial_lse_[row] = PartialLse(m, sum);
   }
-  __device__ __forceinline__ void StoreOutputLse(int64_t row, float m, float sum) const {
-    lse_[row] = FinalLse(m, sum);
+  __device__ __forceinline__ void StoreOutputLse(int packed_row, int64_t row, float m,
+                                                 float sum) const {
+    lse_[row] = FinalLse(SeesKeys(packed_row), m, sum);
   }
-  __device__ __forceinline__ void StoreLse(int64_t row, float m, float sum) const {
+  __device__ __forceinline__ void StoreLse(int packed_row, int64_t row, float m, float sum) const {
     if (partial()) {
       StorePartialLse(row, m, sum);
     } else if (has_lse()) {
-      StoreOutputLse(row, m, sum);
+      StoreOutputLse(packed_row, row, m, sum);
     }
   }
 
@@ -134,7 +151,8 @@ class RowSink {
   int group_ = 1;                 // packed rows per token
   // Set per CTA by ForItem.
   int32_t partial_row_ = -1;  // -1: final output; else the chunk's row of (token 0, head 0)
-  int q_begin_ = 0;
+  SeqExtent seq_ = {};        // the item's sequence
+  bool causal_ = true;
   int head_base_ = 0;
 };
 
@@ -151,7 +169,7 @@ __device__ __forceinline__ void StoreRows(const RowSink& sink, const float (&o)[
   for (int x = 0; x < 2; ++x) {
     const int p = row0 + (lane >> 2) + 8 * x;
     if (p >= num_rows) continue;
-    const float inv = InverseSum(sums[x]);
+    const float inv = sink.Inverse(p, m[x], sums[x]);
     const int64_t row = sink.Row(p);
     const int col = col0 + 2 * (lane & 3);
     if (sink.partial()) {
@@ -165,7 +183,9 @@ __device__ __forceinline__ void StoreRows(const RowSink& sink, const float (&o)[
       for (int j = 0; j < kDTiles; ++j) {
         sink.StoreOutputColumns<2>(row, col + 8 * j, {o[j][2 * x], o[j][2 * x + 1]}, inv);
       }
-      if (write_lse && sink.has_lse() && (lane & 3) == 0) sink.StoreOutputLse(row, m[x], sums[x]);
+      if (write_lse && sink.has_lse() && (lane & 3) == 0) {
+        sink.StoreOutputLse(p, row, m[x], sums[x]);
+      }
     }
   }
 }

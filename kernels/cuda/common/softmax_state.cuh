@@ -10,10 +10,21 @@
 //   RescaleAccumulator  applies Rescale's factor to the row's output accumulator.
 //   SoftmaxExchange     the cross-warp merge: warps that hold states of the same rows (over
 //                       different keys) combine them through shared memory.
-//   InverseSum, FinalLse, PartialLse
-//                       finishing a row: the output's normalizer and its lse, including the
-//                       contract's rule for a row that saw no key (kernels/attention.h).
+//   InverseSum, FinalLse, ChunkInverseSum, PartialLse
+//                       finishing a row: the output's normalizer and its lse, by the contract's
+//                       rule for rows that see no key and for logits that overflowed
+//                       (kernels/attention.h).
 // The split-KV merge (merge_states.cu) combines chunks with the same ExpBase and FinalLse.
+//
+// Overflow reaches the finished state, although fmaxf drops NaN (a NaN logit never becomes m):
+// - a NaN logit (an mma sum of +inf and -inf products) has p = Exp2(NaN) = NaN, and every sum it
+//   enters is NaN from then on: alpha * NaN, weight * NaN (for weight 0 too) and the parts' sums;
+// - a +inf logit, or a scaled maximum past float's range (sm_scale near 1e38), makes m +inf:
+//   the key's p is 2^(inf - inf) = NaN, or every p is 2^(finite - inf) = 0 with the sum 0; any
+//   later rescale is 2^(inf - inf) = NaN, and so is the weight SoftmaxExchange::Merge gives a
+//   part whose m is +inf;
+// - every visible logit -inf leaves m = -inf and the sum 0.
+// The finishing helpers turn each of these into NaN for a row that sees keys (FiniteState).
 #pragma once
 
 #include <cmath>
@@ -28,19 +39,42 @@ namespace attn::cuda {
 // while the row has seen only masked keys (m = -inf), so that 2^(-inf - 0) = 0 instead of NaN.
 __device__ __forceinline__ float ExpBase(float m) { return m == -INFINITY ? 0.f : m; }
 
-// The factor that normalizes a row's output accumulator: 1 / sum, or 0 for a row that saw no key
-// (its accumulator is 0 as well, so the output is the contract's 0).
-__device__ __forceinline__ float InverseSum(float sum) { return sum > 0.f ? 1.f / sum : 0.f; }
-
-// The lse of a finished row: m + log2(sum), or kEmptyRowLse for a row that saw no key.
-__device__ __forceinline__ float FinalLse(float m, float sum) {
-  return sum > 0.f ? m + Log2(sum) : kEmptyRowLse;
+// A finished row's state (m, sum) gives a result: m finite and sum positive and finite. Otherwise
+// the row's float32 logits overflowed (see above), or the row saw no key.
+__device__ __forceinline__ bool FiniteState(float m, float sum) {
+  return fabsf(m) < INFINITY && sum > 0.f && sum < INFINITY;
 }
 
-// The lse of a split-KV chunk's partial row: as FinalLse, but -inf for a chunk the row saw no key
-// of, which gives the chunk weight 0 in the merge.
+// The factor that normalizes a final row's output accumulator: 0 for a row that sees no key
+// (`sees_keys`: the geometry's answer, RowSink::SeesKeys; the accumulator is 0 as well, so the
+// output is the contract's 0), 1 / sum for a finite state, and NaN for a row whose logits
+// overflowed, so that its output is NaN whatever the accumulator holds (with m = +inf every p may
+// have been 0).
+__device__ __forceinline__ float InverseSum(bool sees_keys, float m, float sum) {
+  if (!sees_keys) return 0.f;
+  return FiniteState(m, sum) ? 1.f / sum : NAN;
+}
+
+// The lse of a finished row, by the same rule: kEmptyRowLse, m + log2(sum), or NaN.
+__device__ __forceinline__ float FinalLse(bool sees_keys, float m, float sum) {
+  if (!sees_keys) return kEmptyRowLse;
+  return FiniteState(m, sum) ? m + Log2(sum) : NAN;
+}
+
+// The factor for a split-KV chunk's partial columns: 1 / sum, or 0 for a sum that is 0 (the chunk
+// saw no key of the row) or NaN. The columns need not carry the NaN: the chunk's PartialLse does,
+// and it makes the merged row NaN.
+__device__ __forceinline__ float ChunkInverseSum(float sum) { return sum > 0.f ? 1.f / sum : 0.f; }
+
+// The lse of a split-KV chunk's partial row. -inf for a sum of 0, which gives the chunk weight 0
+// in the merge: the chunk saw no key of the row, or only -inf logits (right while another chunk
+// has a finite one; when none has, every weight is 0 and the merged row is NaN). Otherwise
+// m + log2(sum), so that a NaN sum, or m = +inf, reaches the merge as NaN or +inf and makes the
+// merged row NaN. m = +inf with a sum of 0 (every p 2^(finite - inf) = 0) is NaN, not weight 0:
+// weight 0 would leave the merge the other chunks' keys, whose logits are smaller.
 __device__ __forceinline__ float PartialLse(float m, float sum) {
-  return sum > 0.f ? m + Log2(sum) : -INFINITY;
+  if (sum == 0.f) return m == INFINITY ? NAN : -INFINITY;
+  return m + Log2(sum);
 }
 
 // The running state of rows g and g + 8 (g = lane / 4) of a 16-row mma tile; a row's scores are

@@ -354,10 +354,9 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   // named barrier is left half-arrived.
   if (T::kPingPong && cwg == 0) take_turn();
 
-  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq.q_begin, w.kv_head * w.group);
+  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, w.kv_head * w.group);
   const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
-  StoreRows(cta_sink, o, softmax.m, sums, w.item.row_begin + warp_row0, w.num_rows, 0, lane,
-            true);
+  StoreRows(cta_sink, o, softmax.m, sums, w.item.row_begin + warp_row0, w.num_rows, 0, lane, true);
 }
 
 template <typename T>
