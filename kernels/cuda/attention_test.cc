@@ -399,7 +399,8 @@ std::vector<OverflowCase> OverflowCases(bool decode) {
            false},
           {"prefill_non_causal", {{12, 90, 0}, {4, 2, 0}}, full, false},
           {"prefill_split", {{8, 4096, 0}, {6, 3, 0}}, append, true},
-          {"prefill_split_unseeing_rows", {{100, 90, 0}}, attend, true}};
+          // Longer than two of the sm_90a kernels' 128-key tiles, so that every variant splits.
+          {"prefill_split_unseeing_rows", {{300, 290, 0}}, attend, true}};
 }
 
 TEST_F(KernelTest, GqaOverflowIsNaN) {
@@ -419,6 +420,9 @@ TEST_F(KernelTest, MlaOverflowIsNaN) {
     for (bool decode : {false, true}) {
       for (OverflowCase c : OverflowCases(decode)) {
         c.options.sm_scale = 0.1352337747812271f;
+        // At 128 heads the 300-row sequence's 38,400 packed rows fill the GPU unsplit (seen on
+        // the H200); its unseeing rows are checked unsplit there, split at 16 heads.
+        if (heads > 16 && c.name == "prefill_split_unseeing_rows") c.split = false;
         RunMlaOverflow(g, c);
       }
     }

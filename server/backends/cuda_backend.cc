@@ -357,13 +357,20 @@ class CudaLane final : public Lane {
     stats.compute = absl::Microseconds(static_cast<int64_t>(ms * 1e3));
     stats.bytes_in = bytes_in;
     stats.bytes_out = bytes_out;
-    constexpr size_t kRetainedStagingBytes = size_t{64} << 20;
     inputs_.Trim(in.bytes, kRetainedStagingBytes);
     outputs_.Trim(out.bytes, kRetainedStagingBytes);
     return stats;
   }
 
  private:
+  // Large staging kept for a stream of large launches (Run's Trim) goes back once the lane is
+  // idle, and so do large idle response buffers.
+  void ReleaseIdle() override {
+    inputs_.Trim(0, kRetainedStagingBytes);
+    outputs_.Trim(0, kRetainedStagingBytes);
+    responses_->ReleaseIdle(kRetainedStagingBytes);
+  }
+
   // Brings one per-call input of every call into its device staging section: bytes of the
   // messages are gathered into pinned staging and copied in runs of adjacent calls; inputs in
   // regions are copied straight from the caller's memory (page-locked host memory, or device
@@ -407,6 +414,9 @@ class CudaLane final : public Lane {
   }
 
  private:
+  // Staging up to this size stays between launches whatever they use.
+  static constexpr size_t kRetainedStagingBytes = size_t{64} << 20;
+
   const CudaPool& pool_;
   const Op op_;
   DeviceState& state_;

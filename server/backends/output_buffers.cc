@@ -31,6 +31,23 @@ struct OutputBuffers::State {
   }
 };
 
+void OutputBuffers::ReleaseIdle(size_t keep) {
+  std::vector<std::pair<char*, size_t>> large;
+  {
+    absl::MutexLock lock(&state_->mu);
+    auto& idle = state_->idle;
+    for (size_t i = 0; i < idle.size();) {
+      if (idle[i].second > keep) {
+        large.push_back(idle[i]);
+        idle.erase(idle.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        ++i;
+      }
+    }
+  }
+  for (const auto& [buffer, bytes] : large) state_->free(buffer);
+}
+
 OutputBuffers::OutputBuffers(Allocate allocate, Free free, int max_idle, size_t max_idle_bytes)
     : state_(std::make_shared<State>()) {
   state_->allocate = std::move(allocate);

@@ -31,6 +31,9 @@ class OutputBuffers {
   // the memory cannot be allocated.
   absl::StatusOr<std::shared_ptr<char>> Get(size_t bytes);
 
+  // Frees the idle buffers larger than `keep` bytes (a lane gone idle after large launches).
+  void ReleaseIdle(size_t keep);
+
   // Plain host memory (the CPU backend).
   static std::unique_ptr<OutputBuffers> Host();
 

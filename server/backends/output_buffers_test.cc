@@ -26,6 +26,29 @@ struct Counting {
   }
 };
 
+// An idle lane gives back its large idle buffers and keeps the small ones.
+TEST(OutputBuffersTest, ReleaseIdleFreesOnlyTheLargeIdleBuffers) {
+  Counting c;
+  auto buffers = c.Make(/*max_idle=*/4);
+  {
+    auto small = buffers->Get(1000);
+    auto large = buffers->Get(100000);
+    auto busy_large = buffers->Get(200000);
+    ASSERT_TRUE(small.ok() && large.ok() && busy_large.ok());
+    {
+      auto keep = std::move(*busy_large);  // still in use during the release
+      small = absl::StatusOr<std::shared_ptr<char>>();
+      large = absl::StatusOr<std::shared_ptr<char>>();
+      EXPECT_EQ(c.live.load(), 3);
+      buffers->ReleaseIdle(10000);
+      EXPECT_EQ(c.live.load(), 2);  // the idle large one went, the small one and `keep` stay
+    }
+    EXPECT_EQ(c.live.load(), 2);  // `keep` came back idle
+  }
+  auto again = buffers->Get(1000);
+  EXPECT_EQ(c.allocations.load(), 3);  // the small idle buffer was reused
+}
+
 TEST(OutputBuffersTest, BuffersAreReusedOnceTheirUsersAreDone) {
   Counting c;
   auto buffers = c.Make();

@@ -52,6 +52,10 @@ class Lane {
   // a NaN or Inf, appends none of its rows and leaves its response outputs unset (outputs it
   // was to write into a region may have been written). Not thread safe: one caller at a time.
   virtual absl::StatusOr<LaunchStats> Run(absl::Span<AttentionCall* const> calls) = 0;
+  // Gives back what the lane keeps between launches for large ones (pinned staging, idle
+  // response buffers); the batcher calls it once its lane has been idle for a while
+  // (BatchingOptions::idle_release). Same thread rules as Run.
+  virtual void ReleaseIdle() {}
 };
 
 class Backend {

@@ -166,8 +166,22 @@ int Batcher::FailQueued(const absl::Status& why) {
 }
 
 void Batcher::Loop() {
+  bool launched = false;  // since the lane last released what it keeps (ReleaseIdle)
   for (;;) {
     std::vector<std::unique_ptr<PendingCall>> batch;
+    {
+      absl::MutexLock lock(&mu_);
+      if (launched && options_.idle_release > absl::ZeroDuration() &&
+          !mu_.AwaitWithTimeout(absl::Condition(
+                                    +[](Batcher* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                      return b->stopping_ || !b->queue_.empty();
+                                    },
+                                    this),
+                                options_.idle_release)) {
+        launched = false;
+      }
+    }
+    if (!launched) lane_->ReleaseIdle();  // idle (or not yet run): nothing is lost
     {
       absl::MutexLock lock(&mu_);
       if (!WaitForBatch()) return;
@@ -179,6 +193,7 @@ void Batcher::Loop() {
       batch = PopBatch();
     }
     Launch(std::move(batch));
+    launched = true;
   }
 }
 

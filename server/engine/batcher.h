@@ -39,6 +39,10 @@ struct BatchingOptions {
   // Engine refuses a call past it with INVALID_ARGUMENT; the batcher merges calls only while
   // their sum stays within it. So one launch holds its lane for at most this much work.
   int64_t max_call_key_reads = int64_t{1} << 30;
+  // A lane idle this long after a launch gives back what it keeps for large launches
+  // (Lane::ReleaseIdle): a stream of large calls keeps its pinned staging, a pause returns it.
+  // Zero: never.
+  absl::Duration idle_release = absl::Milliseconds(200);
 };
 
 // What the batcher reports about a finished call.

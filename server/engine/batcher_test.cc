@@ -25,6 +25,7 @@ class RecordingLane final : public Lane {
     bool hold ABSL_GUARDED_BY(mu) = false;
     int running ABSL_GUARDED_BY(mu) = 0;
     std::vector<int> refuse ABSL_GUARDED_BY(mu);  // tags of calls the lane refuses
+    int releases ABSL_GUARDED_BY(mu) = 0;         // ReleaseIdle calls
   };
   explicit RecordingLane(Shared* shared) : shared_(shared) {}
 
@@ -46,6 +47,11 @@ class RecordingLane final : public Lane {
     LaunchStats stats;
     stats.compute = absl::Microseconds(1);
     return stats;
+  }
+
+  void ReleaseIdle() override {
+    absl::MutexLock lock(&shared_->mu);
+    ++shared_->releases;
   }
 
  private:
@@ -221,6 +227,44 @@ TEST_F(BatcherTest, ARefusedCallFailsAloneInItsLaunch) {
         << i;
   }
   EXPECT_EQ(Batches().back(), (std::vector<int>{0, 1, 2, 3}));
+}
+
+// A lane keeps what it holds for large launches while calls keep coming, and is told to give it
+// back once it has been idle for idle_release.
+TEST_F(BatcherTest, AnIdleLaneReleasesWhatItKeeps) {
+  auto releases = [this] {
+    absl::MutexLock lock(&shared_.mu);
+    return shared_.releases;
+  };
+  BatchingOptions busy;
+  busy.idle_release = absl::Hours(1);
+  {
+    auto b = Start(busy);
+    for (int i = 0; i < 3; ++i) {
+      Outcome out;
+      ASSERT_TRUE(b->Submit(MakeCall(i, &out)).ok());
+      ASSERT_TRUE(out.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+    }
+    EXPECT_LE(releases(), 1);  // at most the one before the first launch
+  }
+  shared_.mu.Lock();
+  shared_.releases = 0;
+  shared_.mu.Unlock();
+  BatchingOptions idle;
+  idle.idle_release = absl::Milliseconds(1);
+  auto b = Start(idle);
+  Outcome out;
+  ASSERT_TRUE(b->Submit(MakeCall(1, &out)).ok());
+  ASSERT_TRUE(out.done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  // The lane is idle now: a release follows (waited for, not timed).
+  std::pair<RecordingLane::Shared*, int> seen{&shared_, releases()};
+  absl::MutexLock lock(&shared_.mu);
+  EXPECT_TRUE(shared_.mu.AwaitWithTimeout(
+      absl::Condition(
+          +[](std::pair<RecordingLane::Shared*, int>* s)
+               ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->first->releases > s->second; },
+          &seen),
+      absl::Seconds(10)));
 }
 
 TEST_F(BatcherTest, RespectsRequestAndTokenLimits) {
