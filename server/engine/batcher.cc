@@ -104,9 +104,7 @@ absl::Duration Batcher::RetryHint() const {
 }
 
 bool Batcher::WaitForBatch() {
-  mu_.Await(absl::Condition(
-      +[](Batcher* b) ABSL_NO_THREAD_SAFETY_ANALYSIS { return b->stopping_ || !b->queue_.empty(); },
-      this));
+  mu_.Await(absl::Condition(this, &Batcher::HasWorkOrStop));
   if (queue_.empty()) return false;
   if (stopping_) return true;
   // Hold the oldest call at most max_queue_delay, less when a full batch is already queued.
@@ -165,23 +163,20 @@ int Batcher::FailQueued(const absl::Status& why) {
   return n;
 }
 
+bool Batcher::StaysIdle(absl::Duration how_long) {
+  absl::MutexLock lock(&mu_);
+  return !mu_.AwaitWithTimeout(absl::Condition(this, &Batcher::HasWorkOrStop), how_long);
+}
+
 void Batcher::Loop() {
-  bool launched = false;  // since the lane last released what it keeps (ReleaseIdle)
+  bool holding = false;  // a launch ran since the lane last gave back what it keeps
   for (;;) {
-    std::vector<std::unique_ptr<PendingCall>> batch;
-    {
-      absl::MutexLock lock(&mu_);
-      if (launched && options_.idle_release > absl::ZeroDuration() &&
-          !mu_.AwaitWithTimeout(absl::Condition(
-                                    +[](Batcher* b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                      return b->stopping_ || !b->queue_.empty();
-                                    },
-                                    this),
-                                options_.idle_release)) {
-        launched = false;
-      }
+    if (holding && options_.idle_release > absl::ZeroDuration() &&
+        StaysIdle(options_.idle_release)) {
+      lane_->ReleaseIdle();
+      holding = false;
     }
-    if (!launched) lane_->ReleaseIdle();  // idle (or not yet run): nothing is lost
+    std::vector<std::unique_ptr<PendingCall>> batch;
     {
       absl::MutexLock lock(&mu_);
       if (!WaitForBatch()) return;
@@ -193,7 +188,7 @@ void Batcher::Loop() {
       batch = PopBatch();
     }
     Launch(std::move(batch));
-    launched = true;
+    holding = true;
   }
 }
 

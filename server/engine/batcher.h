@@ -116,6 +116,12 @@ class Batcher {
 
  private:
   void Loop();
+  // True when the queue holds a call or the batcher is stopping (what the thread waits for).
+  bool HasWorkOrStop() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !queue_.empty();
+  }
+  // Waits up to `how_long` for a call (or Stop); true when none came.
+  bool StaysIdle(absl::Duration how_long) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until a batch is due; returns false when stopping with an empty queue.
   bool WaitForBatch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pops the next batch: a FIFO prefix of mutually mergeable calls within the limits.
