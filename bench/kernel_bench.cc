@@ -91,6 +91,14 @@ std::vector<Shape> Shapes() {
     mla_prefill.push_back({q, q + static_cast<int>(rng() % 4000), 0});
   }
   s.push_back({"mla_prefill_16h_6053_11seqs_p64", true, 16, 1, 0, 64, false, mla_prefill});
+  // The published seed shapes (names as ../shared/tools/flashinfer measures them): one query on
+  // one key at 40/10 heads and page size 1, the pure cost of a launch; and MLA at page size 1,
+  // the prefill's 6053 queries on 6091 keys (38 cached keys over the 11 sequences: the first 5
+  // get 4, the rest 3).
+  s.push_back({"seed_gqa_h40kv10_ps1_q1", false, 40, 10, 128, 1, false, Uniform(1, 1, 1)});
+  std::vector<SeqSpec> mla_seed = mla_prefill;
+  for (int i = 0; i < 11; ++i) mla_seed[i].kv_len = mla_seed[i].q_len + (i < 5 ? 4 : 3);
+  s.push_back({"seed_mla_h16_ps1_6053_on_6091", true, 16, 1, 0, 1, false, mla_seed});
   return s;
 }
 
