@@ -144,6 +144,7 @@ class LaunchPlan {
   const GqaParams& gqa_params() const { return gqa_; }
   const MlaParams& mla_params() const { return mla_params_; }
   const DevicePlan& device_plan() const { return device_plan_; }
+  const CallChecks& checks() const { return checks_; }
 
  private:
   void Plan(const PagedBatch& batch, int page_size, PlanConfig config,

@@ -125,6 +125,45 @@ TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
   EXPECT_EQ(plan.device_plan().variant, 3);
 }
 
+// With call rows the launch stages them, lays out a refused flag per call and binds both for the
+// finiteness check; without, it checks nothing (num_calls 0).
+TEST(LaunchPlanTest, CallChecksAreStagedAndBound) {
+  GqaBatch t;
+  LaunchOptions o;
+  o.append = true;
+  o.sm_scale = 0.125f;
+  o.tiling = Tiling(64, 132);
+  o.max_partial_rows = 1 << 20;
+  LaunchPlan plan;
+  plan.PlanGqa(t.cache, 8, t.View(), o);
+  EXPECT_EQ(plan.inputs().call_rows.bytes, 0u);
+  EXPECT_EQ(plan.outputs().refused.bytes, 0u);
+  std::vector<char> device_in(plan.inputs().bytes), device_out(plan.outputs().bytes);
+  ASSERT_EQ(plan.Bind(device_in.data(), device_out.data(), nullptr, 0), cudaSuccess);
+  EXPECT_EQ(plan.checks().num_calls, 0);
+
+  const std::vector<int32_t> rows{0, 3, 8};  // two calls: one sequence each
+  o.call_rows = rows.data();
+  o.num_calls = 2;
+  plan.PlanGqa(t.cache, 8, t.View(), o);
+  const InputLayout& in = plan.inputs();
+  const OutputLayout& out = plan.outputs();
+  EXPECT_EQ(in.call_rows.bytes, 3u * 4);
+  EXPECT_EQ(out.refused.bytes, 2u * 4);
+  ExpectPacked({in.items, in.merges, in.call_rows}, in.bytes);
+  ExpectPacked({out.out, out.lse, out.refused}, out.bytes);
+  std::vector<char> host(in.bytes, 0);
+  plan.WriteIndices(host.data());
+  EXPECT_EQ(Read<int32_t>(host, in.call_rows), rows);
+  device_in.assign(in.bytes, 0);
+  device_out.assign(out.bytes, 0);
+  ASSERT_EQ(plan.Bind(device_in.data(), device_out.data(), nullptr, 0), cudaSuccess);
+  const CallChecks& c = plan.checks();
+  EXPECT_EQ(c.num_calls, 2);
+  EXPECT_EQ(reinterpret_cast<const char*>(c.rows), device_in.data() + in.call_rows.offset);
+  EXPECT_EQ(reinterpret_cast<char*>(c.refused), device_out.data() + out.refused.offset);
+}
+
 TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
   // One decode sequence of 4096 keys on 4 SMs: split-KV, so the plan has merges and partials.
   std::vector<int32_t> kv_indptr{0, 64}, kv_indices(64), last{64}, layer{1};
