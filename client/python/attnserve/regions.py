@@ -166,7 +166,7 @@ class Arena:
         self.closed = True
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     """A block of an arena: the slices of one call, or one staged page table. release() gives
     it back (once; later calls are no-ops). carve() hands out its slices in order."""
@@ -251,11 +251,10 @@ class SharedMemoryArena(Arena):
     def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         """A numpy view of bytes [offset, offset + size of shape x dtype) of the arena."""
         dtype = np.dtype(dtype)
-        count = math.prod(shape)
-        end = offset + count * dtype.itemsize
-        if offset < 0 or end > self.size:
+        end = offset + math.prod(shape) * dtype.itemsize
+        if offset < 0 or end > self.bytes.size:  # the size, or 0 once closed
             raise ValueError(f"[{offset}, {end}) lies outside the arena of {self.size} bytes")
-        return self.bytes[offset:end].view(dtype).reshape(shape)
+        return np.ndarray(shape, dtype, buffer=self.bytes, offset=offset)
 
     def close(self) -> None:
         if self.closed:

@@ -100,6 +100,9 @@ class Kinds:
     cuda: bool = False
 
 
+_NO_KINDS = Kinds()
+
+
 def resolve_kinds(transport: str, address: str, data_plane: pb.DataPlane | None) -> Kinds:
     """What a transport setting means for this server (data_plane: GetServerInfo's, None when
     not asked). See the module doc."""
@@ -214,7 +217,7 @@ def int_array(values: Any, name: str) -> np.ndarray:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class _Output:
     arena: Arena
     offset: int
@@ -259,8 +262,6 @@ class StagedCall:
 
 
 def _read_outputs(out: _Output, result: AttentionResult) -> AttentionResult:
-    from attnserve.calls import AttentionResult
-
     response = result.response
     got = response.output
     if got.region.name != out.arena.name or got.region.offset != out.offset:
@@ -279,7 +280,7 @@ def _read_outputs(out: _Output, result: AttentionResult) -> AttentionResult:
         lse = None
         if out.lse_offset is not None:
             lse = arena.array(out.lse_offset, lse_shape, np.float32).copy()
-        return AttentionResult(response, region_output=bits, region_lse=lse)
+        return type(result)(response, region_output=bits, region_lse=lse)
     import torch  # a CUDA arena: the inputs were torch tensors
 
     device = torch.device("cuda", arena.device)  # type: ignore[attr-defined]
@@ -289,7 +290,7 @@ def _read_outputs(out: _Output, result: AttentionResult) -> AttentionResult:
         lse_t = arena.tensor(out.lse_offset, lse_shape, torch.float32).clone()  # type: ignore[attr-defined]
     # The clones must be done before another call's server writes reuse the block.
     torch.cuda.current_stream(device).synchronize()
-    return AttentionResult(response, region_output=output, region_lse=lse_t)
+    return type(result)(response, region_output=output, region_lse=lse_t)
 
 
 class Transport:
@@ -340,7 +341,7 @@ class Transport:
     @property
     def kinds(self) -> Kinds:
         """The kinds in use: none before resolve() (auto toward a remote server: none ever)."""
-        return self._kinds if self._kinds is not None else Kinds()
+        return self._kinds if self._kinds is not None else _NO_KINDS
 
     # ---- arenas
 
@@ -417,22 +418,25 @@ class Transport:
     ) -> StagedCall:
         """Puts the tensors of a request (built without them) into arenas or the message
         (all into the message with as_bytes). NeedArena when an arena lacks room."""
-        from attnserve.calls import tensor_message
-
         generation = self.generation
-        kinds = Kinds() if as_bytes else self.kinds
-        where = {name: _placement(value, kinds) for name, value in tensors.items()}
-        shapes = {name: _shape(value) for name, value in tensors.items()}
-        q_shape = shapes.get("q")
+        kinds = _NO_KINDS if as_bytes else self.kinds
+        # One pass: where each tensor goes, its shape, and the bytes per arena (every slice
+        # rounded up to a block alignment unit); the output goes with the first CUDA input.
+        placed: list[tuple[str, Any, Any, tuple[int, ...]]] = []
+        sizes: dict[Any, int] = {}
+        first_cuda = None
+        for name, value in tensors.items():
+            w = _placement(value, kinds)
+            shape = _shape(value)
+            placed.append((name, value, w, shape))  # type: ignore[arg-type]
+            if w is not None:
+                sizes[w] = sizes.get(w, 0) + align(2 * math.prod(shape))  # type: ignore[arg-type]
+                if first_cuda is None and w != "shm":
+                    first_cuda = w
+        q_shape = _shape(tensors.get("q"))
         out_where = None
         if q_shape is not None and len(q_shape) == 3:
-            cuda = [w for w in where.values() if w != "shm" and w is not None]
-            out_where = cuda[0] if cuda else ("shm" if kinds.shm else None)
-        # Bytes per arena: every slice rounded up to a block alignment unit.
-        sizes: dict[Any, int] = {}
-        for name, w in where.items():
-            if w is not None:
-                sizes[w] = sizes.get(w, 0) + align(2 * math.prod(shapes[name]))  # type: ignore[arg-type]
+            out_where = first_cuda or ("shm" if kinds.shm else None)
         if out_where is not None:
             total_q, heads = q_shape[0], q_shape[1]  # type: ignore[index]
             out_bytes = align(2 * math.prod(q_shape))  # type: ignore[arg-type]
@@ -446,21 +450,20 @@ class Transport:
                 blocks[w] = self._block(w, n, generation)
                 staged.blocks.append(blocks[w])
             synchronize = set()
-            for name, value in tensors.items():
-                w = where[name]
+            for name, value, w, shape in placed:
                 if w is None:
+                    from attnserve.calls import tensor_message  # the bytes path only
+
                     getattr(request, name).CopyFrom(tensor_message(value))
                     continue
                 block = blocks[w]
-                shape = shapes[name]
-                offset = block.carve(2 * math.prod(shape))  # type: ignore[arg-type]
-                _write_bf16(block.arena, offset, value, shape)  # type: ignore[arg-type]
+                offset = block.carve(2 * math.prod(shape))
+                _write_bf16(block.arena, offset, value, shape)
                 if w != "shm":
                     synchronize.add(w[1])
                 tensor = getattr(request, name)
                 tensor.dtype = pb.DTYPE_BF16
-                del tensor.shape[:]
-                tensor.shape.extend(shape)  # type: ignore[arg-type]
+                tensor.shape[:] = shape
                 tensor.region.name = block.arena.name
                 tensor.region.offset = offset
             if out_where is not None:
@@ -505,6 +508,8 @@ def _placement(value: Any, kinds: Kinds) -> Any:
 def _shape(value: Any) -> tuple[int, ...] | None:
     if value is None:
         return None
+    if type(value) is np.ndarray:
+        return value.shape  # already a tuple of ints
     if isinstance(value, pb.Tensor):
         return tuple(value.shape)
     return tuple(int(d) for d in (value.shape if hasattr(value, "shape") else np.shape(value)))

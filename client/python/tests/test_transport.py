@@ -168,8 +168,13 @@ def test_arena_header_mode_and_unlink() -> None:
         assert arena.array(64, (6,), np.float32).tolist() == [7] * 6
         with pytest.raises(ValueError, match="outside the arena"):
             arena.array((1 << 16) - 8, (3,), np.float32)
+        with pytest.raises(ValueError, match="outside the arena"):
+            arena.array(-16, (3,), np.float32)
+        assert arena.array(72, (2,), np.uint16).ctypes.data == view.ctypes.data + 8  # a view
     finally:
         arena.close()
+    with pytest.raises(ValueError, match="outside the arena"):  # closed: no view of the unmapped
+        arena.array(64, (2,), np.float32)
 
 
 def test_closing_an_unregistered_arena_unlinks_it() -> None:
