@@ -56,6 +56,9 @@ ABSL_FLAG(double, warmup_seconds, 1, "Unmeasured calls first");
 ABSL_FLAG(std::string, json, "", "Also write the results here");
 ABSL_FLAG(std::string, transport, "bytes", "bytes, shm or cuda (registered memory)");
 ABSL_FLAG(bool, append, false, "Measured prefills append their K/V");
+ABSL_FLAG(bool, spin, false,
+          "Wait for each reply by polling a completion queue instead of sleeping in it (how "
+          "much of a call's cost is waking the caller's thread)");
 
 namespace attn::bench {
 namespace {
@@ -369,6 +372,28 @@ void IntoRegions(Request* r, const Geometry& g, Arena& arena, Arena& tables, boo
   *r->mutable_output_to() = arena.Slice(out_bytes);
 }
 
+// One call through the async API, its completion polled without sleeping: the calling thread
+// does the call's I/O itself and is never woken.
+grpc::Status SpinCall(v1::AttentionService::Stub& stub, grpc::ClientContext* ctx,
+                      const v1::DecodeRequest& decode,
+                      const std::vector<v1::PrefillRequest>& prefills, size_t& next,
+                      v1::AttentionResponse* resp) {
+  grpc::CompletionQueue cq;
+  grpc::Status status;
+  auto reader = prefills.empty() ? stub.AsyncDecode(ctx, decode, &cq)
+                                 : stub.AsyncPrefill(ctx, prefills[next++ % prefills.size()], &cq);
+  reader->Finish(resp, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC)) !=
+         grpc::CompletionQueue::NextStatus::GOT_EVENT) {
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
 struct Sample {
   double client_us, queue_us, compute_us, total_us;
   int batch_requests;
@@ -467,14 +492,16 @@ int Main() {
         for (auto& p : prefills) IntoRegions(&p, g, *arena, t, true);
       }
       size_t next = 0;
+      const bool spin = absl::GetFlag(FLAGS_spin);
       while (!stop.load()) {
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
         v1::AttentionResponse resp;
         const auto start = Clock::now();
         const grpc::Status st =
-            prefills.empty() ? stubs[c]->Decode(&ctx, decode, &resp)
-                             : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()], &resp);
+            spin               ? SpinCall(*stubs[c], &ctx, decode, prefills, next, &resp)
+            : prefills.empty() ? stubs[c]->Decode(&ctx, decode, &resp)
+                               : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()], &resp);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
         if (!st.ok()) {
           std::fprintf(stderr, "call failed: %s\n", st.error_message().c_str());

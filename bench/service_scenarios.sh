@@ -84,6 +84,8 @@ start_server --listen_address="unix:$sock"
 address="unix:$sock"
 load transport_unix_shm_decode_b64 --clients=1 --batch=64 --transport=shm
 load transport_unix_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm
+# The caller polling for its reply instead of sleeping: what waking its thread costs.
+load transport_unix_shm_decode_b64_spin --clients=1 --batch=64 --transport=shm --spin
 stop_server
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then

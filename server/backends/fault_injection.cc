@@ -43,6 +43,7 @@ class FaultyLane final : public Lane {
     if (state_.on_fatal_error) state_.on_fatal_error(fatal);
     return fatal;
   }
+  void ReleaseIdle() override { inner_->ReleaseIdle(); }
 
  private:
   std::unique_ptr<Lane> inner_;
@@ -63,6 +64,12 @@ class FaultyBackend final : public Backend {
   absl::Status AddPool(const PoolGeometry& geometry) override { return inner_->AddPool(geometry); }
   absl::Status ScrubPages(int pool, absl::Span<const int32_t> pages) override {
     return inner_->ScrubPages(pool, pages);
+  }
+  // Everything but the launches is the inner backend's, unchanged.
+  bool ChecksFiniteInputs() const override { return inner_->ChecksFiniteInputs(); }
+  absl::StatusOr<std::unique_ptr<MappedMemory>> MapRegion(
+      const RegionSpec& spec, absl::string_view shm_name_prefix) override {
+    return inner_->MapRegion(spec, shm_name_prefix);
   }
 
   absl::StatusOr<std::unique_ptr<Lane>> CreateLane(int pool, Op op) override {
