@@ -84,10 +84,10 @@ struct CheckedInput {
 };
 
 // Sets checks.refused bits for the calls whose inputs (up to 4) hold a NaN or Inf: a bf16 whose
-// exponent bits are all ones. One launch reading every input once; enqueue it after the inputs'
-// copies and before the append.
+// exponent bits are all ones. One launch reading every input once, sized for `num_sms` SMs
+// (KernelTiling::num_sms); enqueue it after the inputs' copies and before the append.
 cudaError_t CheckFinite(const CheckedInput* inputs, int num_inputs, const CallChecks& checks,
-                        cudaStream_t stream);
+                        int num_sms, cudaStream_t stream);
 
 // Writes the new K/V rows into their page slots (no-op when params.k_new is null), except the
 // rows of calls `checks` refused. Enqueue it before the attention launch on the same stream.

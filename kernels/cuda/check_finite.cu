@@ -68,9 +68,9 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 cudaError_t CheckFinite(const CheckedInput* inputs, int num_inputs, const CallChecks& checks,
-                        cudaStream_t stream) {
+                        int num_sms, cudaStream_t stream) {
   if (checks.num_calls == 0) return cudaSuccess;
-  if (num_inputs > kMaxInputs || num_inputs < 0) return cudaErrorInvalidValue;
+  if (num_inputs > kMaxInputs || num_inputs < 0 || num_sms < 1) return cudaErrorInvalidValue;
   Inputs in{};
   int64_t vectors = 0;
   for (int i = 0; i < num_inputs; ++i) {
@@ -80,11 +80,9 @@ cudaError_t CheckFinite(const CheckedInput* inputs, int num_inputs, const CallCh
     vectors = std::max(vectors, (inputs[i].rows * inputs[i].width + 7) / 8);
   }
   if (in.count == 0) return cudaSuccess;
-  int device = 0, sms = 0;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   // Enough blocks to keep every SM's loads in flight, no more than the largest input needs.
-  const int64_t blocks = std::min<int64_t>((vectors + kThreads - 1) / kThreads, int64_t{sms} * 8);
+  const int64_t blocks =
+      std::min<int64_t>((vectors + kThreads - 1) / kThreads, int64_t{num_sms} * 8);
   CheckFiniteKernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(in, checks);
   ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
   return cudaSuccess;

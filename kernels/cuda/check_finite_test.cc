@@ -52,8 +52,10 @@ std::vector<uint32_t> Refused(const std::vector<std::vector<bf16>>& tensors,
   EXPECT_EQ(call_rows.Upload(rows), cudaSuccess);
   EXPECT_EQ(refused.Upload(std::vector<uint32_t>(num_calls, 0)), cudaSuccess);
   const CallChecks checks{call_rows.get<int32_t>(), refused.get<uint32_t>(), num_calls};
-  EXPECT_EQ(CheckFinite(inputs.data(), static_cast<int>(inputs.size()), checks, nullptr),
-            cudaSuccess);
+  // A few SMs' worth of blocks: the large inputs go round the grid-stride loop many times.
+  EXPECT_EQ(
+      CheckFinite(inputs.data(), static_cast<int>(inputs.size()), checks, /*num_sms=*/4, nullptr),
+      cudaSuccess);
   std::vector<uint32_t> out(num_calls);
   EXPECT_EQ(cudaMemcpy(out.data(), refused.get<uint32_t>(), num_calls * 4, cudaMemcpyDeviceToHost),
             cudaSuccess);

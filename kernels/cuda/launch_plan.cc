@@ -97,6 +97,7 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   lse_ = options.lse;
   call_rows_ = options.call_rows;
   num_calls_ = options.call_rows ? options.num_calls : 0;
+  num_sms_ = options.tiling.num_sms;
   const int n = batch.batch_size;
   q_lens_.resize(n);
   kv_lens_.resize(n);
@@ -218,7 +219,7 @@ cudaError_t LaunchPlan::EnqueueCheck(cudaStream_t stream) const {
     in[1] = {gqa_.k_new, rows, widths_.k_new, kFiniteKNew};
     in[2] = {gqa_.v_new, rows, widths_.v_new, kFiniteVNew};
   }
-  return CheckFinite(in, mla_ ? 4 : 3, checks_, stream);
+  return CheckFinite(in, mla_ ? 4 : 3, checks_, num_sms_, stream);
 }
 
 cudaError_t LaunchPlan::EnqueueAppend(cudaStream_t stream) const {

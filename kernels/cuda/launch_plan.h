@@ -156,6 +156,7 @@ class LaunchPlan {
   bool lse_ = false;
   const int32_t* call_rows_ = nullptr;  // LaunchOptions::call_rows, until WriteIndices
   int num_calls_ = 0;
+  int num_sms_ = 0;        // LaunchOptions::tiling's, for the check's grid
   PagedBatch host_batch_;  // the caller's host arrays, until WriteIndices
   RowWidths widths_;
   InputLayout inputs_;

@@ -61,14 +61,20 @@ struct GqaBatch {
   }
 };
 
-TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
-  GqaBatch t;
+// The options GqaBatch is planned with: appending, no lse.
+LaunchOptions GqaOptions() {
   LaunchOptions o;
   o.append = true;
   o.lse = false;
   o.sm_scale = 0.125f;
   o.tiling = Tiling(64, 132);
   o.max_partial_rows = 1 << 20;
+  return o;
+}
+
+TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
+  GqaBatch t;
+  const LaunchOptions o = GqaOptions();
   LaunchPlan plan;
   plan.PlanGqa(t.cache, 8, t.View(), o);
 
@@ -129,11 +135,7 @@ TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
 // finiteness check; without, it checks nothing (num_calls 0).
 TEST(LaunchPlanTest, CallChecksAreStagedAndBound) {
   GqaBatch t;
-  LaunchOptions o;
-  o.append = true;
-  o.sm_scale = 0.125f;
-  o.tiling = Tiling(64, 132);
-  o.max_partial_rows = 1 << 20;
+  LaunchOptions o = GqaOptions();
   LaunchPlan plan;
   plan.PlanGqa(t.cache, 8, t.View(), o);
   EXPECT_EQ(plan.inputs().call_rows.bytes, 0u);

@@ -455,6 +455,18 @@ absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const
   return absl::OkStatus();
 }
 
+// What Prefill and Decode validate alike once their page table is read: the fields they share,
+// the regions the call names (in use from here on), and the values of its host inputs.
+template <typename Request>
+absl::Status ValidateRest(const Request& req, const InlineTensors& data, const TableSpans& table,
+                          const PoolGeometry& pool, const RegionResolver& regions,
+                          FiniteCheck finite, ValidatedCall& v) {
+  Slices slices;
+  ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, v.call, slices));
+  ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
+  return finite == FiniteCheck::kHost ? CheckFinite(v.call, pool) : absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
@@ -477,10 +489,7 @@ absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
                                                    " is outside [0, ", kMaxCallTokens, "]"));
   }
   ATTN_RETURN_IF_ERROR(CheckIndptr(call.qo_indptr, "qo_indptr", call.total_q, "total_q"));
-  Slices slices;
-  ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, call, slices));
-  ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
-  if (finite == FiniteCheck::kHost) ATTN_RETURN_IF_ERROR(CheckFinite(call, pool));
+  ATTN_RETURN_IF_ERROR(ValidateRest(req, data, table, pool, regions, finite, v));
   return v;
 }
 
@@ -499,10 +508,7 @@ absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
   }
   call.batch_size = static_cast<int>(batch);
   call.total_q = call.batch_size;
-  Slices slices;
-  ATTN_RETURN_IF_ERROR(ValidateCommon(req, data, table, pool, call, slices));
-  ATTN_ASSIGN_OR_RETURN(v.regions, slices.Resolve(regions));
-  if (finite == FiniteCheck::kHost) ATTN_RETURN_IF_ERROR(CheckFinite(call, pool));
+  ATTN_RETURN_IF_ERROR(ValidateRest(req, data, table, pool, regions, finite, v));
   return v;
 }
 

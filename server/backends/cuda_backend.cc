@@ -77,12 +77,13 @@ class DeviceState {
     }                                                                 \
   } while (0)
 
-// A pinned host buffer and a device buffer of the same capacity (no host buffer when
-// `with_host` is false), grown on demand (growth is rare: capacity doubles, so a lane
-// reallocates a handful of times in its life).
+// A pinned host buffer and a device buffer of the same capacity (either may be left out),
+// grown on demand (growth is rare: capacity doubles, so a lane reallocates a handful of times in
+// its life).
 class StagingPair {
  public:
-  explicit StagingPair(bool with_host = true) : with_host_(with_host) {}
+  explicit StagingPair(bool with_host = true, bool with_device = true)
+      : with_host_(with_host), with_device_(with_device) {}
   ~StagingPair() { Release(); }
   absl::Status Reserve(size_t bytes, DeviceState& state) {
     if (bytes <= capacity_) return absl::OkStatus();
@@ -91,7 +92,7 @@ class StagingPair {
     if (with_host_) {
       RETURN_IF_CUDA_ERROR(state, cudaHostAlloc(&host_, capacity_, cudaHostAllocDefault));
     }
-    RETURN_IF_CUDA_ERROR(state, cudaMalloc(&device_, capacity_));
+    if (with_device_) RETURN_IF_CUDA_ERROR(state, cudaMalloc(&device_, capacity_));
     return absl::OkStatus();
   }
   char* host() const { return static_cast<char*>(host_); }
@@ -111,34 +112,9 @@ class StagingPair {
     host_ = device_ = nullptr;
     capacity_ = 0;
   }
-  const bool with_host_;
+  const bool with_host_, with_device_;
   void* host_ = nullptr;
   void* device_ = nullptr;
-  size_t capacity_ = 0;
-};
-
-// A small pinned host array that grows on demand (a launch's per-call flags).
-template <typename T>
-class PinnedArray {
- public:
-  ~PinnedArray() {
-    if (data_) cudaFreeHost(data_);
-  }
-  absl::Status Reserve(size_t n, DeviceState& state) {
-    if (n <= capacity_) return absl::OkStatus();
-    if (data_) cudaFreeHost(data_);
-    data_ = nullptr;
-    capacity_ = 0;
-    const size_t want = std::max<size_t>(n, 64);
-    RETURN_IF_CUDA_ERROR(state, cudaHostAlloc(reinterpret_cast<void**>(&data_), want * sizeof(T),
-                                              cudaHostAllocDefault));
-    capacity_ = want;
-    return absl::OkStatus();
-  }
-  T* data() const { return data_; }
-
- private:
-  T* data_ = nullptr;
   size_t capacity_ = 0;
 };
 
@@ -230,14 +206,11 @@ class CudaLane final : public Lane {
     StageTimer timer;
     const PoolGeometry& g = pool_.geometry;
     merged_.Build(calls);
-    // Every call's inputs are checked for NaN and Inf on the device (validation leaves them to
-    // the backend: Backend::ChecksFiniteInputs); a refused call has nothing appended.
-    call_rows_.resize(calls.size() + 1);
-    for (size_t i = 0; i < calls.size(); ++i) call_rows_[i] = merged_.row_begin(i);
-    call_rows_.back() = merged_.total_q();
-    // Plan on the host from the merged page table; the plan lays out the staging buffers.
+    // Plan on the host from the merged page table; the plan lays out the staging buffers. Every
+    // call's inputs are checked for NaN and Inf on the device (validation leaves them to the
+    // backend: Backend::ChecksFiniteInputs); a refused call has nothing appended.
     cuda::LaunchOptions options;
-    options.call_rows = call_rows_.data();
+    options.call_rows = merged_.call_rows().data();
     options.num_calls = static_cast<int>(calls.size());
     options.append = calls.front()->appends();
     options.lse = std::any_of(calls.begin(), calls.end(),
@@ -285,10 +258,11 @@ class CudaLane final : public Lane {
     // The finiteness check first; its verdicts come back while the append (which skips the
     // refused calls) and the attention run.
     RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueCheck(stream_));
-    if (absl::Status st = refused_.Reserve(calls.size(), state_); !st.ok()) return st;
+    if (absl::Status st = refused_.Reserve(out.refused.bytes, state_); !st.ok()) return st;
     RETURN_IF_CUDA_ERROR(state_,
-                         cudaMemcpyAsync(refused_.data(), outputs_.device() + out.refused.offset,
+                         cudaMemcpyAsync(refused_.host(), outputs_.device() + out.refused.offset,
                                          out.refused.bytes, cudaMemcpyDeviceToHost, stream_));
+    const uint32_t* refused = reinterpret_cast<const uint32_t*>(refused_.host());
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(checked_, stream_));
     RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAppend(stream_));
     RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAttention(stream_));
@@ -318,7 +292,7 @@ class CudaLane final : public Lane {
     if (any_region) RETURN_IF_CUDA_ERROR(state_, cudaEventSynchronize(checked_));
     for (size_t i = 0; i < calls.size(); ++i) {
       AttentionCall& c = *calls[i];
-      if (refused_.data()[i] != 0) continue;
+      if (refused[i] != 0) continue;
       const int64_t row = merged_.row_begin(i);
       auto to_region = [&](CallOutput& o, size_t section, int64_t row_bytes) -> absl::Status {
         const size_t bytes = static_cast<size_t>(c.total_q * row_bytes);
@@ -337,8 +311,8 @@ class CudaLane final : public Lane {
 
     for (size_t i = 0; i < calls.size(); ++i) {
       AttentionCall& c = *calls[i];
-      if (refused_.data()[i] != 0) {
-        c.refused = NonFiniteInputs(refused_.data()[i], g.kind);
+      if (refused[i] != 0) {
+        c.refused = NonFiniteInputs(refused[i], g.kind);
         continue;
       }
       const int64_t row = merged_.row_begin(i);
@@ -431,8 +405,8 @@ class CudaLane final : public Lane {
   int64_t max_partial_rows_ = 0;  // rows of the workspace
   // Reused across launches.
   MergedBatch merged_;
-  std::vector<int32_t> call_rows_;  // LaunchOptions::call_rows
-  PinnedArray<uint32_t> refused_;   // the launch's CallChecks::refused, copied back
+  // The launch's CallChecks::refused (uint32 per call), copied back: pinned host memory only.
+  StagingPair refused_{/*with_host=*/true, /*with_device=*/false};
   cuda::LaunchPlan launch_;
   StagingPair inputs_;
   StagingPair outputs_;  // device only: outputs go to regions or into `responses_`

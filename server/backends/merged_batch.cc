@@ -8,10 +8,9 @@ void MergedBatch::Build(absl::Span<AttentionCall* const> calls) {
   kv_indices_.clear();
   kv_last_page_len_.clear();
   seq_layer_.clear();
-  row_begin_.clear();
+  call_rows_.assign(1, 0);
   total_q_ = 0;
   for (const AttentionCall* c : calls) {
-    row_begin_.push_back(total_q_);
     const int32_t page_base = kv_indptr_.back();
     for (int b = 0; b < c->batch_size; ++b) {
       const int32_t q_end = c->qo_indptr.empty() ? b + 1 : c->qo_indptr[b + 1];
@@ -23,6 +22,7 @@ void MergedBatch::Build(absl::Span<AttentionCall* const> calls) {
     kv_last_page_len_.insert(kv_last_page_len_.end(), c->kv_last_page_len.begin(),
                              c->kv_last_page_len.end());
     total_q_ += c->total_q;
+    call_rows_.push_back(total_q_);
   }
 }
 

@@ -20,7 +20,9 @@ class MergedBatch {
   int batch_size() const { return static_cast<int>(kv_indptr_.size()) - 1; }
   int total_q() const { return total_q_; }
   // First merged query row of call i.
-  int row_begin(size_t i) const { return row_begin_[i]; }
+  int row_begin(size_t i) const { return call_rows_[i]; }
+  // [calls + 1]: call i's merged query rows are [call_rows()[i], call_rows()[i + 1]).
+  const std::vector<int32_t>& call_rows() const { return call_rows_; }
 
   // Host view of the merged table; qo_indptr is null for decode batches.
   PagedBatch View(Op op) const;
@@ -34,7 +36,7 @@ class MergedBatch {
 
  private:
   int total_q_ = 0;
-  std::vector<int> row_begin_;
+  std::vector<int32_t> call_rows_;
   std::vector<int32_t> qo_indptr_, kv_indptr_, kv_indices_, kv_last_page_len_, seq_layer_;
 };
 
