@@ -27,7 +27,9 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   return c;
 }
 
-bool IsSm90Prefill(int variant) { return variant >= kGqaPrefillSm90Serial; }
+bool IsSm90Prefill(int variant) {
+  return variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanOverlap;
+}
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the
 // fastest that passed kernel_tests on the H200 (bench/RESULTS.md).
@@ -51,7 +53,9 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
 
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling) {
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
-  if (decode) return GqaDecodeTiling(head_dim, tiling);
+  if (decode || tiling->variant == kGqaPrefillOnDecodeKernel) {
+    return GqaDecodeTiling(head_dim, tiling);
+  }
   ATTN_CUDA_RETURN_IF_ERROR(ResolvePrefillVariant(head_dim, &tiling->variant));
 #ifdef ATTN_HAVE_SM90
   if (IsSm90Prefill(tiling->variant)) {
@@ -61,13 +65,17 @@ cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling) {
   return GqaPrefillTiling(head_dim, tiling->variant, tiling);
 }
 
+cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling) {
+  tiling->variant = kGqaPrefillOnDecodeKernel;
+  return GetGqaTiling(head_dim, false, tiling);
+}
+
 cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling) {
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
   return MlaTiling(num_heads, decode, tiling);
 }
 
-PlanConfig GqaPlanConfig(const GqaParams& p, const KernelTiling& tiling,
-                         int64_t max_partial_rows) {
+PlanConfig GqaPlanConfig(const GqaParams& p, const KernelTiling& tiling, int64_t max_partial_rows) {
   PlanConfig c = BaseConfig(tiling, max_partial_rows, p.causal);
   c.group = p.num_qo_heads / p.cache.num_kv_heads;
   c.num_kv_heads = p.cache.num_kv_heads;
@@ -75,8 +83,7 @@ PlanConfig GqaPlanConfig(const GqaParams& p, const KernelTiling& tiling,
   return c;
 }
 
-PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling,
-                         int64_t max_partial_rows) {
+PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling, int64_t max_partial_rows) {
   PlanConfig c = BaseConfig(tiling, max_partial_rows, p.causal);
   c.group = p.num_heads;
   c.num_kv_heads = 1;
@@ -87,7 +94,7 @@ PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling,
 cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
   if (plan.num_items > 0) {
     const bool decode = p.batch.qo_indptr == nullptr;
-    if (decode) {
+    if (decode || plan.variant == kGqaPrefillOnDecodeKernel) {
       ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaDecode(p, plan, stream));
 #ifdef ATTN_HAVE_SM90
     } else if (IsSm90Prefill(plan.variant)) {

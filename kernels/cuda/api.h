@@ -39,6 +39,10 @@ inline constexpr int kGqaPrefillSm90Overlap = 11;  // softmax under P V, warpgro
 // cp.async): 1.3-1.5x faster than 10 and 11 on the H200 (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90LeanSerial = 12;
 inline constexpr int kGqaPrefillSm90LeanOverlap = 13;
+// A prefill on the decode kernel (16-row CTAs, any compute capability). The planner picks it by
+// itself (LaunchOptions::short_prefill) for launches whose sequences each have at most 16 packed
+// rows: one or a few new tokens per sequence, where a 128-row prefill CTA is mostly padding.
+inline constexpr int kGqaPrefillOnDecodeKernel = 20;
 
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {
@@ -54,6 +58,8 @@ struct KernelTiling {
 // Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA
 // prefill, tiling->variant may name a tile shape on entry (benchmarks compare them).
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling);
+// Tiling of kGqaPrefillOnDecodeKernel, for LaunchOptions::short_prefill.
+cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling);
 cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling);
 
 // The planner's configuration for a launch of `params` with `tiling`; the workspace holds

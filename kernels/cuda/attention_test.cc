@@ -114,11 +114,15 @@ uint64_t Seed() {
   return seed;
 }
 
-// The GQA prefill variants every run checks: the portable kernel and the sm_90a kernels that
-// passed on the H200 (the default is one of them).
-const std::vector<int> kCheckedPrefillVariants = {
-    0, cuda::kGqaPrefillSm90Serial, cuda::kGqaPrefillSm90Overlap, cuda::kGqaPrefillSm90LeanSerial,
-    cuda::kGqaPrefillSm90LeanOverlap};
+// The GQA prefill variants every run checks: the portable kernel, the sm_90a kernels that passed
+// on the H200 (the default is one of them) and the decode kernel, which the default takes for
+// short prefills (checked here on every prefill case, long ones included).
+const std::vector<int> kCheckedPrefillVariants = {0,
+                                                  cuda::kGqaPrefillSm90Serial,
+                                                  cuda::kGqaPrefillSm90Overlap,
+                                                  cuda::kGqaPrefillSm90LeanSerial,
+                                                  cuda::kGqaPrefillSm90LeanOverlap,
+                                                  cuda::kGqaPrefillOnDecodeKernel};
 
 // Those of `candidates` the entry points accept for head_dim on this device (the portable
 // kernel everywhere, the sm_90a kernels on Hopper).

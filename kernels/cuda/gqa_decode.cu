@@ -6,6 +6,10 @@
 // cp.async pipeline and its 4 warps split every tile (16 keys each), each keeping its own online
 // softmax state; the warps' states are merged through shared memory at the end. Split-KV across
 // CTAs (the planner's chunks) lets a batch of one long sequence fill the GPU.
+//
+// Prefills whose sequences each have at most 16 packed rows run here too
+// (kGqaPrefillOnDecodeKernel): the rows carry their causal limits, so nothing in the kernel is
+// decode-only, and a 128-row prefill CTA would be mostly padding.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/common/cuda_check.h"

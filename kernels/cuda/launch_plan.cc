@@ -48,6 +48,16 @@ Params Unbound(const Cache& cache, const LaunchOptions& o) {
   return p;
 }
 
+// Whether every sequence of a prefill batch fits one CTA of `tiling` (at most block_m packed rows).
+bool FitsShortPrefill(const PagedBatch& batch, int group, const KernelTiling& tiling) {
+  if (batch.qo_indptr == nullptr || tiling.block_m <= 0) return false;
+  for (int b = 0; b < batch.batch_size; ++b) {
+    const int64_t rows = int64_t{batch.qo_indptr[b + 1] - batch.qo_indptr[b]} * group;
+    if (rows > tiling.block_m) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 RowWidths GqaRowWidths(const GqaCache& cache, int num_qo_heads) {
@@ -76,7 +86,11 @@ void LaunchPlan::PlanGqa(const GqaCache& cache, int num_qo_heads, const PagedBat
   gqa_ = Unbound<GqaParams>(cache, options);
   gqa_.num_qo_heads = num_qo_heads;
   widths_ = GqaRowWidths(cache, num_qo_heads);
-  Plan(batch, cache.page_size, GqaPlanConfig(gqa_, options.tiling, options.max_partial_rows),
+  const KernelTiling& tiling =
+      FitsShortPrefill(batch, num_qo_heads / cache.num_kv_heads, options.short_prefill)
+          ? options.short_prefill
+          : options.tiling;
+  Plan(batch, cache.page_size, GqaPlanConfig(gqa_, tiling, options.max_partial_rows), tiling,
        options);
 }
 
@@ -87,17 +101,17 @@ void LaunchPlan::PlanMla(const MlaCache& cache, int num_heads, const PagedBatch&
   mla_params_.num_heads = num_heads;
   widths_ = MlaRowWidths(num_heads);
   Plan(batch, cache.page_size, MlaPlanConfig(mla_params_, options.tiling, options.max_partial_rows),
-       options);
+       options.tiling, options);
 }
 
 void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
-                      const LaunchOptions& options) {
+                      const KernelTiling& tiling, const LaunchOptions& options) {
   host_batch_ = batch;
   append_ = options.append;
   lse_ = options.lse;
   call_rows_ = options.call_rows;
   num_calls_ = options.call_rows ? options.num_calls : 0;
-  num_sms_ = options.tiling.num_sms;
+  num_sms_ = tiling.num_sms;
   const int n = batch.batch_size;
   q_lens_.resize(n);
   kv_lens_.resize(n);
@@ -110,7 +124,7 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   if (options.target_waves > 0) config.target_waves = options.target_waves;
   plan_ = PlanAttention(config, q_lens_.data(), kv_lens_.data(), n);
   device_plan_ = DevicePlan{};
-  device_plan_.variant = options.tiling.variant;
+  device_plan_.variant = tiling.variant;
 
   const int64_t rows = batch.total_q;
   Sections in;

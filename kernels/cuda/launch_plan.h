@@ -90,6 +90,9 @@ struct LaunchOptions {
   float sm_scale = 0.f;
   bool causal = true;
   KernelTiling tiling;  // of the kernel that serves the launch (GetGqaTiling / GetMlaTiling)
+  // GQA prefill: when set (GetGqaShortPrefillTiling; block_m > 0), a launch whose sequences each
+  // have at most short_prefill.block_m packed rows (q_len x group) runs on it instead of `tiling`.
+  KernelTiling short_prefill;
   // The split-KV workspace's capacity, in (token, head) rows (WorkspaceBytes() <= capacity *
   // (out_dim + 1) * 4 bytes).
   int64_t max_partial_rows = 0;
@@ -147,7 +150,7 @@ class LaunchPlan {
   const CallChecks& checks() const { return checks_; }
 
  private:
-  void Plan(const PagedBatch& batch, int page_size, PlanConfig config,
+  void Plan(const PagedBatch& batch, int page_size, PlanConfig config, const KernelTiling& tiling,
             const LaunchOptions& options);
   int out_dim() const { return mla_ ? kMlaCkvDim : gqa_.cache.head_dim; }
 
@@ -156,7 +159,7 @@ class LaunchPlan {
   bool lse_ = false;
   const int32_t* call_rows_ = nullptr;  // LaunchOptions::call_rows, until WriteIndices
   int num_calls_ = 0;
-  int num_sms_ = 0;        // LaunchOptions::tiling's, for the check's grid
+  int num_sms_ = 0;        // the serving tiling's, for the check's grid
   PagedBatch host_batch_;  // the caller's host arrays, until WriteIndices
   RowWidths widths_;
   InputLayout inputs_;

@@ -72,6 +72,28 @@ LaunchOptions GqaOptions() {
   return o;
 }
 
+// A prefill whose every sequence fits one CTA of the short-prefill tiling runs on it; one longer
+// sequence keeps the whole launch on the prefill kernel.
+TEST(LaunchPlanTest, ShortPrefillsRunOnTheShortTiling) {
+  GqaBatch t;  // 3 x 4 = 12 and 5 x 4 = 20 packed rows
+  LaunchOptions o = GqaOptions();
+  for (const auto& [block_m, chosen] : {std::pair{16, false}, {20, true}, {32, true}}) {
+    SCOPED_TRACE(block_m);
+    o.short_prefill = Tiling(block_m, 132);
+    o.short_prefill.variant = kGqaPrefillOnDecodeKernel;
+    LaunchPlan plan;
+    plan.PlanGqa(t.cache, 8, t.View(), o);
+    EXPECT_EQ(plan.device_plan().variant, chosen ? kGqaPrefillOnDecodeKernel : 3);
+  }
+  // Decode launches never take it: their kernel is already the decode kernel.
+  LaunchPlan decode;
+  PagedBatch view = t.View();
+  view.qo_indptr = nullptr;
+  view.total_q = 2;
+  decode.PlanGqa(t.cache, 8, view, o);
+  EXPECT_EQ(decode.device_plan().variant, 3);
+}
+
 TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
   GqaBatch t;
   const LaunchOptions o = GqaOptions();

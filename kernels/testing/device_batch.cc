@@ -69,9 +69,13 @@ cudaError_t DeviceBatch::Create(GqaHostBatch& host, std::unique_ptr<DeviceBatch>
   cuda::KernelTiling tiling;
   tiling.variant = variant;
   ATTN_CUDA_RETURN_IF_ERROR(cuda::GetGqaTiling(cache.head_dim, host.table.decode, &tiling));
-  d->launch_.PlanGqa(cache, host.geometry.num_qo_heads, host.table.View(),
-                     Options(!host.k_new.empty(), !host.lse.empty(), host.sm_scale, host.causal,
-                             tiling, overrides));
+  cuda::LaunchOptions options = Options(!host.k_new.empty(), !host.lse.empty(), host.sm_scale,
+                                        host.causal, tiling, overrides);
+  if (variant < 0 && !host.table.decode) {  // the default picks kernels as the server does
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cuda::GetGqaShortPrefillTiling(cache.head_dim, &options.short_prefill));
+  }
+  d->launch_.PlanGqa(cache, host.geometry.num_qo_heads, host.table.View(), options);
   ATTN_CUDA_RETURN_IF_ERROR(d->Stage(host.q.data(), nullptr, host.k_new.data(), host.v_new.data()));
   *out = std::move(d);
   return cudaSuccess;

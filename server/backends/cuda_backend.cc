@@ -194,6 +194,9 @@ class CudaLane final : public Lane {
     RETURN_IF_CUDA_ERROR(state_, g.kind == PoolKind::kGqa
                                      ? cuda::GetGqaTiling(g.head_dim, decode, &tiling_)
                                      : cuda::GetMlaTiling(g.num_qo_heads, decode, &tiling_));
+    if (g.kind == PoolKind::kGqa && !decode) {
+      RETURN_IF_CUDA_ERROR(state_, cuda::GetGqaShortPrefillTiling(g.head_dim, &short_prefill_));
+    }
     const int64_t out_dim = g.kind == PoolKind::kGqa ? g.head_dim : kMlaCkvDim;
     max_partial_rows_ = workspace_bytes_ / ((out_dim + 1) * int64_t{sizeof(float)});
     return absl::OkStatus();
@@ -217,6 +220,7 @@ class CudaLane final : public Lane {
                               [](const AttentionCall* c) { return c->return_lse; });
     options.sm_scale = calls.front()->sm_scale;
     options.tiling = tiling_;
+    options.short_prefill = short_prefill_;
     options.max_partial_rows = max_partial_rows_;
     bf16* storage = static_cast<bf16*>(pool_.storage);
     if (g.kind == PoolKind::kGqa) {
@@ -402,7 +406,8 @@ class CudaLane final : public Lane {
   cudaEvent_t checked_ = nullptr;  // the finiteness verdicts are on the host
   void* workspace_ = nullptr;
   cuda::KernelTiling tiling_;
-  int64_t max_partial_rows_ = 0;  // rows of the workspace
+  cuda::KernelTiling short_prefill_;  // GQA prefill lanes: one-CTA sequences on the decode kernel
+  int64_t max_partial_rows_ = 0;      // rows of the workspace
   // Reused across launches.
   MergedBatch merged_;
   // The launch's CallChecks::refused (uint32 per call), copied back: pinned host memory only.
