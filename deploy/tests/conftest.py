@@ -165,7 +165,8 @@ class ServerSettings:
 
 
 FLAG = re.compile(r"^--([a-z_]+)=(.*)$")
-# The server's built-in defaults (server/api/config.cc DefaultConfig) for what a config leaves unset.
+# The server's built-in defaults (server/api/config.cc DefaultConfig) for what a config
+# leaves unset.
 DEFAULT_LISTEN, DEFAULT_METRICS_PORT, DEFAULT_DRAIN_S = "127.0.0.1:50051", 9464, 30
 
 
