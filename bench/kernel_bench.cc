@@ -4,7 +4,10 @@
 // same shapes with torch's SDPA backends (and the cuBLAS GEMM ceiling); bench/report.py joins the
 // two JSON files into bench/RESULTS.md's table.
 //
-//   kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N]
+//   kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N] [--sequential_pages]
+//
+// --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
+// difference is what scattered page reads cost a kernel.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -156,13 +159,14 @@ double CopyTbps(void* flush, size_t flush_bytes) {
   return 2.0 * bytes / (us * 1e-6) / 1e12;
 }
 
-Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overrides, int runs,
-               void* flush, size_t flush_bytes) {
+Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overrides,
+               bool shuffle_pages, int runs, void* flush, size_t flush_bytes) {
   std::mt19937_64 rng(42);
   BatchOptions o;
   o.decode = s.decode;
   o.with_lse = true;
   o.extra_pages = 0;
+  o.shuffle_pages = shuffle_pages;
   std::unique_ptr<DeviceBatch> d;
   if (s.mla) {
     o.sm_scale = 0.1352337747812271f;
@@ -190,6 +194,7 @@ Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overri
 int Main(int argc, char** argv) {
   std::string json, filter;
   int runs = 30;
+  bool shuffle_pages = true;
   std::vector<int> variants{-1};
   testing::PlanOverrides overrides;
   for (int i = 1; i < argc; ++i) {
@@ -200,6 +205,8 @@ int Main(int argc, char** argv) {
       filter = argv[++i];
     else if (a == "--runs" && i + 1 < argc)
       runs = std::atoi(argv[++i]);
+    else if (a == "--sequential_pages")
+      shuffle_pages = false;
     else if (a == "--min_chunk" && i + 1 < argc)
       overrides.min_chunk_len = std::atoi(argv[++i]);
     else if (a == "--waves" && i + 1 < argc)
@@ -211,7 +218,8 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N] "
-                   "[--prefill_variants 0,1] [--min_chunk KEYS] [--waves W]\n");
+                   "[--prefill_variants 0,1] [--min_chunk KEYS] [--waves W] "
+                   "[--sequential_pages]\n");
       return 2;
     }
   }
@@ -235,7 +243,7 @@ int Main(int argc, char** argv) {
     if (!filter.empty() && s.name.find(filter) == std::string::npos) continue;
     const bool has_variants = !s.mla && !s.decode && s.head_dim <= 128;
     for (int v : has_variants ? variants : std::vector<int>{-1}) {
-      Result r = Measure(s, v, overrides, runs, flush, flush_bytes);
+      Result r = Measure(s, v, overrides, shuffle_pages, runs, flush, flush_bytes);
       if (v > 0) r.shape.name += "_v" + std::to_string(v);
       std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(), r.median_us,
                   r.tflops, r.tbps, 100.0 * r.tbps / copy_tbps, r.items, r.chunk_len);

@@ -19,7 +19,8 @@ void FillRandom(std::vector<bf16>& v, int64_t n, float scale, std::mt19937_64& r
 }
 
 // Page table for seqs with page_size tokens per page; page ids are a random permutation of the
-// pool, handed out in order, so every sequence's pages are shuffled and non-contiguous.
+// pool (unless !o.shuffle_pages), handed out in order, so every sequence's pages are shuffled and
+// non-contiguous.
 HostPageTable MakeTable(const std::vector<SeqSpec>& seqs, int page_size, const BatchOptions& o,
                         std::mt19937_64& rng) {
   HostPageTable t;
@@ -31,7 +32,7 @@ HostPageTable MakeTable(const std::vector<SeqSpec>& seqs, int page_size, const B
   t.num_pages = total_pages + o.extra_pages;
   std::vector<int32_t> pool(t.num_pages);
   std::iota(pool.begin(), pool.end(), 0);
-  std::shuffle(pool.begin(), pool.end(), rng);
+  if (o.shuffle_pages) std::shuffle(pool.begin(), pool.end(), rng);
 
   t.kv_indptr.push_back(0);
   if (!o.decode) t.qo_indptr.push_back(0);

@@ -30,7 +30,10 @@ struct BatchOptions {
   bool pad_last_page_len = false;
   // Always pass seq_layer (otherwise only when some sequence uses a layer other than 0).
   bool force_seq_layer = false;
-  int extra_pages = 3;      // pool pages no sequence owns (NaN everywhere)
+  int extra_pages = 3;  // pool pages no sequence owns (NaN everywhere)
+  // Hand out the pool's pages in a random order (else in order: every sequence's pages
+  // contiguous, which benchmarks use to tell scattered reads' cost apart from the kernel's).
+  bool shuffle_pages = true;
   float query_scale = 1.f;  // queries are uniform in [-query_scale, query_scale]
   float sm_scale = 0.f;     // 0: 1 / sqrt(query dimension)
 };
