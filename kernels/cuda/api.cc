@@ -28,7 +28,7 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
 }
 
 bool IsSm90Prefill(int variant) {
-  return variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanOverlap;
+  return variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanSerialPersistent;
 }
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the

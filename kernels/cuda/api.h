@@ -39,6 +39,10 @@ inline constexpr int kGqaPrefillSm90Overlap = 11;  // softmax under P V, warpgro
 // cp.async): 1.3-1.5x faster than 10 and 11 on the H200 (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90LeanSerial = 12;
 inline constexpr int kGqaPrefillSm90LeanOverlap = 13;
+// 12 as a persistent kernel: one wave of CTAs that take the work items in turn, each item's Q
+// and first tiles copied while the previous item finishes (bench/RESULTS.md: 4% faster on short
+// sequences, 1-3% slower on long causal ones, so not the default).
+inline constexpr int kGqaPrefillSm90LeanSerialPersistent = 14;
 // A prefill on the decode kernel (16-row CTAs, any compute capability). The planner picks it by
 // itself (LaunchOptions::short_prefill) for launches whose sequences each have at most 16 packed
 // rows: one or a few new tokens per sequence, where a 128-row prefill CTA is mostly padding.

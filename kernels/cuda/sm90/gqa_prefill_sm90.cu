@@ -20,6 +20,12 @@
 // (FA3's intra-warpgroup overlap and pingpong). On the H200 both measured within 4% of each
 // other, bound upstream by the producer's per-copy instructions (bench/RESULTS.md).
 //
+// Persistent variants launch one wave of CTAs that each take work items in turn (CTA c: items
+// c, c + grid, ...; the planner's longest-first order): the producer copies the next item's Q and
+// first tiles while the consumers finish the last one and write its rows, so a CTA's start-up
+// and epilogue hide behind work instead of costing every item (short sequences have few tiles
+// per item to spread them over).
+//
 // Causal block skipping is the planner's (kv_end is cut to the keys the tile's last row sees);
 // masking runs only on the tiles that cross a row's limit. Split-KV items write float32 partials
 // through the common epilogue for the merge kernel.
@@ -55,13 +61,16 @@ constexpr int kTurnBarrier = 1;
 //   kLeanCopies: the producer gathers a tile's row offsets first and issues plain cp.async
 //     (about 8 instructions per 16-byte copy instead of 22, the suspected bound of the other
 //     variants), with more registers for it: 1.3-1.5x faster on the H200, the suspicion held.
-template <int kHeadDim_, int kBlockN_, bool kOverlap_, bool kPingPong_, bool kLeanCopies_>
+//   kPersistent: one wave of CTAs loops over the work items (else one CTA per item).
+template <int kHeadDim_, int kBlockN_, bool kOverlap_, bool kPingPong_, bool kLeanCopies_,
+          bool kPersistent_>
 struct Traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kOverlap = kOverlap_;
   static constexpr bool kPingPong = kPingPong_;
   static constexpr bool kLeanCopies = kLeanCopies_;
+  static constexpr bool kPersistent = kPersistent_;
   // setmaxnreg moves registers within the CTA's pool: 384 lanes x 168 = 128 x 40 + 256 x 232
   // = 128 x 56 + 256 x 224. A split asking for more than the pool (64 + 224) leaves the
   // consumers waiting in setmaxnreg forever.
@@ -76,7 +85,7 @@ struct Traits {
   static_assert(kKvPasses <= kChunks, "one producer lane per row of a pass group holds its page");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarriers = 1 + 4 * kStages;
+  static constexpr int kBarriers = 2 + 4 * kStages;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * kBarriers;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
@@ -100,6 +109,7 @@ struct Smem {
   __device__ uint32_t KEmpty(int stage) const { return Barrier(1 + kStages + stage); }
   __device__ uint32_t VFull(int stage) const { return Barrier(1 + 2 * kStages + stage); }
   __device__ uint32_t VEmpty(int stage) const { return Barrier(1 + 3 * kStages + stage); }
+  __device__ uint32_t QEmpty() const { return Barrier(1 + 4 * kStages); }
 };
 
 // What both roles know of the CTA's work.
@@ -110,7 +120,30 @@ struct Work {
   int group;
   int num_rows;   // packed rows of the sequence
   int num_tiles;  // key tiles of the item
+  // Where the item stands in the CTA's sequence of items, for the barriers' phases: the CTA's
+  // items before it that had tiles (each used the Q buffer once), and their tiles (each went
+  // through the K/V ring once).
+  int q_uses;
+  int tiles_before;
 };
+
+// Work index `index` (item-major: item index / heads, KV head index % heads), following the CTA's
+// earlier items.
+template <typename T>
+__device__ __forceinline__ Work MakeWork(const GqaParams& p, const WorkItem* items, int index,
+                                         const Work* previous) {
+  const int heads = p.cache.num_kv_heads;
+  Work w;
+  w.item = items[index / heads];
+  w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
+  w.kv_head = index % heads;
+  w.group = p.num_qo_heads / heads;
+  w.num_rows = w.seq.q_len * w.group;
+  w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + T::kBlockN - 1) / T::kBlockN);
+  w.q_uses = previous ? previous->q_uses + (previous->num_tiles > 0 ? 1 : 0) : 0;
+  w.tiles_before = previous ? previous->tiles_before + previous->num_tiles : 0;
+  return w;
+}
 
 // Warpgroup 0: all copies into shared memory.
 template <typename T>
@@ -120,7 +153,10 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
   const int chunk = tid % T::kChunks;  // this lane's 16 bytes of every row it copies
   const int row0 = tid / T::kChunks;   // and its first row; then every kRowsPerPass-th
   const int group_lane0 = (tid % 32) & ~(T::kChunks - 1) & 31;  // lanes copying the same rows
+  if (w.num_tiles == 0) return;  // nothing to copy; the consumers skip it as well
 
+  // The consumers' release of the Q buffer from the CTA's previous item (none: returns at once).
+  BarrierWait(s.QEmpty(), (w.q_uses & 1) ^ 1);
   for (int i = 0; i < T::kQPasses; ++i) {
     const int r = row0 + i * T::kRowsPerPass;
     const int packed = w.item.row_begin + r;
@@ -175,8 +211,9 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
 
   int64_t offset = lookup(0);
   for (int t = 0; t < w.num_tiles; ++t) {
-    const int stage = t % kStages;
-    const uint32_t parity = ((t / kStages) & 1) ^ 1;  // the consumers' release of this stage
+    const int g = w.tiles_before + t;  // the tile's pass through the ring
+    const int stage = g % kStages;
+    const uint32_t parity = ((g / kStages) & 1) ^ 1;  // the consumers' release of this stage
     const int64_t next = lookup(t + 1);  // the page-table read flies while this tile is issued
     BarrierWait(s.KEmpty(stage), parity);
     copy_tile(s.K(stage), k_base, offset);
@@ -186,7 +223,6 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     BarrierArriveOnCopies(s.VFull(stage));
     offset = next;
   }
-  WaitAllCopies();
 }
 
 // Warpgroups 1 and 2 (`cwg` 0, 1): rows [64 cwg, 64 cwg + 64) of the tile.
@@ -234,9 +270,15 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   auto release = [&](uint32_t bar) {
     if (lane == 0) BarrierArrive(bar);  // one arrival per consumer warp (8 in all)
   };
+  // Item tile t's stage and phase in the K/V ring, which the CTA's items go through in turn.
+  auto stage_of = [&](int t) { return (w.tiles_before + t) % kStages; };
   auto wait_full = [&](uint32_t bar, int t) {
-    BarrierWait(bar, (t / kStages) & 1);
+    BarrierWait(bar, ((w.tiles_before + t) / kStages) & 1);
     FenceProxyAsync();  // the cp.async data, seen through the barrier, before wgmma reads it
+  };
+  // After the last S GEMM of the item has completed, the producer may copy the next item's Q.
+  auto done_with_q = [&](int t) {
+    if (t == w.num_tiles - 1) release(s.QEmpty());
   };
   // Pingpong: wait for this warpgroup's turn to issue GEMMs, then hand the turn over.
   auto take_turn = [&] {
@@ -261,27 +303,29 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
 
   if (T::kPingPong && cwg == 1) pass_turn();  // warpgroup 0 goes first
   if (w.num_tiles > 0) {
-    BarrierWait(s.QFull(), 0);
+    BarrierWait(s.QFull(), w.q_uses & 1);
     uint32_t pf[kPSteps][4];
     if constexpr (T::kOverlap) {
       {
         float acc[kNTiles][4] = {};
-        wait_full(s.KFull(0), 0);
+        const int stage = stage_of(0);
+        wait_full(s.KFull(stage), 0);
         take_turn();
         WgmmaFence();
-        issue_qk(acc, 0);
+        issue_qk(acc, stage);
         WgmmaCommit();
         pass_turn();
         WgmmaWait<0>();
         PinRegisters(acc);
-        release(s.KEmpty(0));
+        release(s.KEmpty(stage));
+        done_with_q(0);
         float alpha[2];
         mask(acc, 0);
         softmax.Update(acc, scale_log2, alpha);  // O is still 0: nothing to rescale
         ScoresToA(acc, pf);
       }
       for (int t = 1; t < w.num_tiles; ++t) {
-        const int stage = t % kStages, prev = (t - 1) % kStages;
+        const int stage = stage_of(t), prev = stage_of(t - 1);
         float acc[kNTiles][4] = {};
         wait_full(s.KFull(stage), t);
         take_turn();
@@ -296,6 +340,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         WgmmaWait<1>();  // S of tile t is ready; P V of tile t - 1 still runs
         PinRegisters(acc);
         release(s.KEmpty(stage));
+        done_with_q(t);
         float alpha[2];
         mask(acc, t);
         softmax.Update(acc, scale_log2, alpha);
@@ -310,7 +355,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         PinRegisters(o);  // the rescale stays before the next GEMMs are issued
         PinRegisters(pf);
       }
-      const int last = (w.num_tiles - 1) % kStages;
+      const int last = stage_of(w.num_tiles - 1);
       wait_full(s.VFull(last), w.num_tiles - 1);
       take_turn();
       WgmmaFence();
@@ -322,7 +367,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
       release(s.VEmpty(last));
     } else {
       for (int t = 0; t < w.num_tiles; ++t) {
-        const int stage = t % kStages;
+        const int stage = stage_of(t);
         float acc[kNTiles][4] = {};
         wait_full(s.KFull(stage), t);
         take_turn();
@@ -333,6 +378,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         WgmmaWait<0>();
         PinRegisters(acc);
         release(s.KEmpty(stage));
+        done_with_q(t);
         float alpha[2];
         mask(acc, t);
         softmax.Update(acc, scale_log2, alpha);
@@ -361,22 +407,15 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, int num_items,
+                         RowSink sink) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const Smem<T> s{(SharedAddress(smem) + 1023u) & ~1023u};
-
-  const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
-  Work w;
-  w.item = items[cta.item];
-  w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
-  w.kv_head = cta.head;
-  w.group = p.num_qo_heads / p.cache.num_kv_heads;
-  w.num_rows = w.seq.q_len * w.group;
-  w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + T::kBlockN - 1) / T::kBlockN);
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
+    BarrierInit(s.QEmpty(), 8);   // one arrival per consumer warp
     for (int i = 0; i < kStages; ++i) {
       BarrierInit(s.KFull(i), 128);
       BarrierInit(s.VFull(i), 128);
@@ -386,12 +425,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
+  // The CTA's items: blockIdx.x, then every gridDim.x-th (one item unless persistent).
+  const int num_works = num_items * p.cache.num_kv_heads;
+  auto for_each_work = [&](auto&& fn) {
+    Work w = MakeWork<T>(p, items, blockIdx.x, nullptr);
+    fn(w);
+    if constexpr (T::kPersistent) {  // (the loop costs the others registers: kept out of them)
+      for (int index = blockIdx.x + gridDim.x; index < num_works; index += gridDim.x) {
+        w = MakeWork<T>(p, items, index, &w);
+        fn(w);
+      }
+    }
+  };
   if (tid < 128) {
     ReleaseRegisters<T::kProducerRegisters>();
-    Produce<T>(p, w, s, tid);
+    for_each_work([&](const Work& w) { Produce<T>(p, w, s, tid); });
+    WaitAllCopies();
   } else {
     ClaimRegisters<T::kConsumerRegisters>();
-    Consume<T>(p, w, s, tid - 128, sink);
+    for_each_work([&](const Work& w) { Consume<T>(p, w, s, tid - 128, sink); });
   }
 }
 
@@ -402,8 +454,17 @@ struct Config {
   static cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink = RowSink::ForGqa(p, plan);
-    const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
-    kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
+    dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
+    if constexpr (T::kPersistent) {
+      // One wave, one CTA per SM: __launch_bounds__(kThreads, 1) and the register pool that
+      // setmaxnreg splits leave no room for a second.
+      int device = 0, sms = 0;
+      ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+      ATTN_CUDA_RETURN_IF_ERROR(
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      grid.x = min(grid.x, static_cast<unsigned>(sms));
+    }
+    kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, plan.num_items, sink);
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
   }
@@ -419,8 +480,9 @@ struct Config {
 
 // Key tiles: 128 keys for head_dim 64 and 128 (Q + two stages of K and V: 80 / 160 KiB); 64 for
 // head_dim 256 (192 KiB), whose O takes 128 registers per lane.
-template <int kHeadDim, bool kOverlap, bool kPingPong, bool kLeanCopies>
-using TraitsFor = Traits<kHeadDim, kHeadDim == 256 ? 64 : 128, kOverlap, kPingPong, kLeanCopies>;
+template <int kHeadDim, bool kOverlap, bool kPingPong, bool kLeanCopies, bool kPersistent = false>
+using TraitsFor =
+    Traits<kHeadDim, kHeadDim == 256 ? 64 : 128, kOverlap, kPingPong, kLeanCopies, kPersistent>;
 
 template <int kHeadDim, typename Fn>
 cudaError_t WithVariant(int variant, Fn&& fn) {
@@ -433,6 +495,8 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
       return fn(Config<TraitsFor<kHeadDim, false, false, true>>());
     case kGqaPrefillSm90LeanOverlap:
       return fn(Config<TraitsFor<kHeadDim, true, true, true>>());
+    case kGqaPrefillSm90LeanSerialPersistent:  // (the overlap schedule spills when persistent)
+      return fn(Config<TraitsFor<kHeadDim, false, false, true, true>>());
     default:
       return cudaErrorInvalidValue;
   }
