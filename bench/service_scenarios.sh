@@ -86,6 +86,15 @@ load transport_unix_shm_decode_b64 --clients=1 --batch=64 --transport=shm
 load transport_unix_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm
 # The caller polling for its reply instead of sleeping: what waking its thread costs.
 load transport_unix_shm_decode_b64_spin --clients=1 --batch=64 --transport=shm --spin
+# The same calls through a shared-memory call queue per client (attention.proto, "Call queues"):
+# no gRPC and no thread wake-up per call; merging with 8 clients must still hold.
+load transport_queue_shm_decode_b64 --clients=1 --batch=64 --transport=shm --call_queue
+load transport_queue_shm_decode_b256 --clients=1 --batch=256 --transport=shm --call_queue
+load transport_queue_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm --call_queue
+load transport_queue_shm_eight_clients_b8 --clients=8 --batch=8 --transport=shm --call_queue
+if [ "$backend" = cuda ]; then
+  load transport_queue_cuda_decode_b64 --clients=1 --batch=64 --transport=cuda --call_queue
+fi
 stop_server
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then
