@@ -63,8 +63,9 @@ ABSL_FLAG(bool, append, false, "Measured prefills append their K/V");
 ABSL_FLAG(bool, call_queue, false,
           "With --transport=shm or cuda: calls go through a shared-memory call queue per client "
           "instead of gRPC");
-ABSL_FLAG(int, call_queue_spin_us, 200,
-          "--call_queue: how long a call polls its slot before sleeping on the slot's futex");
+ABSL_FLAG(int, call_queue_spin_us, -1,
+          "--call_queue: how long a call polls its slot before sleeping on the slot's futex "
+          "(default: 200 on a machine of 8 or more cores, else 0)");
 ABSL_FLAG(bool, spin, false,
           "Wait for each reply by polling a completion queue instead of sleeping in it (how "
           "much of a call's cost is waking the caller's thread)");
@@ -410,7 +411,9 @@ std::unique_ptr<client::CallQueueClient> RegisterQueue(v1::AttentionService::Stu
                                                        size_t request_bytes) {
   client::CallQueueClient::Options options;
   options.slots = 2;
-  options.spin = std::chrono::microseconds(absl::GetFlag(FLAGS_call_queue_spin_us));
+  const int spin_us = absl::GetFlag(FLAGS_call_queue_spin_us);
+  options.spin = std::chrono::microseconds(
+      spin_us >= 0 ? spin_us : (std::thread::hardware_concurrency() >= 8 ? 200 : 0));
   options.request_bytes = static_cast<int>((request_bytes + 4096 + 63) / 64 * 64);
   std::string error;
   auto queue = client::CallQueueClient::Create(options, &error);

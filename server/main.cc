@@ -78,7 +78,7 @@ ABSL_FLAG(std::string, inject_fault, "",
           "or delay:MS; see server/backends/fault_injection.h)");
 ABSL_FLAG(int, call_queue_spin_us, -1,
           "How long a call queue's thread polls after each call before sleeping on its doorbell, "
-          "microseconds (default 100; data_plane.call_queue_spin_us)");
+          "microseconds (default 100 with 8 or more cores, else 0; data_plane.call_queue_spin_us)");
 ABSL_FLAG(bool, cuda_single_stream, false,
           "Run prefill and decode on one CUDA stream (for comparisons; default: a stream each)");
 

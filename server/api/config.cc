@@ -4,6 +4,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -92,7 +93,11 @@ absl::Status ResolveDataPlane(const v1::DataPlaneConfig& c, DataPlaneOptions* d)
   if (c.max_call_queues_per_session() != 0) {
     d->max_call_queues_per_session = c.max_call_queues_per_session();
   }
-  if (c.has_call_queue_spin_us()) d->call_queue_spin_us = c.call_queue_spin_us();
+  // Polling burns the core it runs on: worth it beside spare cores, not on a small machine where
+  // it takes the CPU from the threads that run the call (bench/RESULTS.md, "Call queues").
+  d->call_queue_spin_us = c.has_call_queue_spin_us()                 ? c.call_queue_spin_us()
+                          : std::thread::hardware_concurrency() >= 8 ? 100
+                                                                     : 0;
   ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_call_queues", d->max_call_queues, 1, 1024));
   ATTN_RETURN_IF_ERROR(
       CheckRange("data_plane.max_call_queues_per_session", d->max_call_queues_per_session, 1, 64));
