@@ -24,7 +24,7 @@ cat >"$config" <<EOC
 pools { name: "bench" kind: POOL_KIND_GQA num_layers: 1 page_size: 16 num_qo_heads: 32
         num_kv_heads: 8 head_dim: 128 num_pages: 80000 }
 data_plane { shared_memory: true cuda_ipc: true max_regions_per_session: 64
-             max_region_bytes_per_session: 17179869184 }
+             max_region_bytes_per_session: 17179869184 max_call_queues_per_session: 16 }
 EOC
 transports=(bytes shm)
 [ "$backend" = cuda ] && transports+=(cuda)
