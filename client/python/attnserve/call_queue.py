@@ -25,11 +25,11 @@ from attnserve.regions import (
     DEFAULT_SHM_PREFIX,
     HEADER_BYTES,
     _shm_open,
-    _shm_unlink,
     new_key,
     new_region_name,
     new_shm_name,
     region_header,
+    unlink_shm,
 )
 from attnserve.v1 import attention_pb2 as pb
 
@@ -223,7 +223,4 @@ class CallQueue:
     def _unlink(self) -> None:
         if self._linked:
             self._linked = False
-            try:
-                _shm_unlink(self.shm_name)
-            except OSError:
-                pass
+            unlink_shm(self.shm_name)
