@@ -432,8 +432,13 @@ std::unique_ptr<client::CallQueueClient> RegisterQueue(v1::AttentionService::Stu
   req.mutable_call_queue()->set_response_bytes(options.response_bytes);
   grpc::ClientContext ctx;
   v1::RegisterRegionResponse resp;
-  CHECK_RPC(stub.RegisterRegion(&ctx, req, &resp));
-  queue->Unlink();
+  const grpc::Status st = stub.RegisterRegion(&ctx, req, &resp);
+  queue->Unlink();  // mapped by the server, or refused: the name goes either way
+  if (!st.ok()) {
+    std::fprintf(stderr, "RegisterRegion (call queue) failed: %d %s\n",
+                 static_cast<int>(st.error_code()), st.error_message().c_str());
+    std::exit(1);
+  }
   return queue;
 }
 
