@@ -14,6 +14,8 @@
 // the outputs, so only small messages cross gRPC; cuda, the tensors and outputs in device memory
 // shared through CUDA IPC (the page table in shared memory). The server must enable them
 // (ServerConfig.data_plane). --append makes the measured prefills append their K/V.
+// --call_queue (with shm or cuda) sends the calls through a call queue per client (attention.proto,
+// "Call queues"; client/cpp/call_queue_client.h) instead of gRPC, which then only sets up.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -40,7 +42,9 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "client/cpp/call_queue_client.h"
 #include "grpcpp/grpcpp.h"
+#include "proto/attnserve/v1/call_queue.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "Server address");
 ABSL_FLAG(std::string, pool, "", "Pool (empty: the server's only pool)");
@@ -56,6 +60,12 @@ ABSL_FLAG(double, warmup_seconds, 1, "Unmeasured calls first");
 ABSL_FLAG(std::string, json, "", "Also write the results here");
 ABSL_FLAG(std::string, transport, "bytes", "bytes, shm or cuda (registered memory)");
 ABSL_FLAG(bool, append, false, "Measured prefills append their K/V");
+ABSL_FLAG(bool, call_queue, false,
+          "With --transport=shm or cuda: calls go through a shared-memory call queue per client "
+          "instead of gRPC");
+ABSL_FLAG(int, call_queue_spin_us, -1,
+          "--call_queue: how long a call polls its slot before sleeping on the slot's futex "
+          "(default: 200 on a machine of 8 or more cores, else 0)");
 ABSL_FLAG(bool, spin, false,
           "Wait for each reply by polling a completion queue instead of sleeping in it (how "
           "much of a call's cost is waking the caller's thread)");
@@ -394,6 +404,61 @@ grpc::Status SpinCall(v1::AttentionService::Stub& stub, grpc::ClientContext* ctx
   return status;
 }
 
+// A call queue registered for one client (--call_queue).
+std::unique_ptr<client::CallQueueClient> RegisterQueue(v1::AttentionService::Stub& stub,
+                                                       const std::string& session,
+                                                       const std::string& name,
+                                                       size_t request_bytes) {
+  client::CallQueueClient::Options options;
+  options.slots = 2;
+  const int spin_us = absl::GetFlag(FLAGS_call_queue_spin_us);
+  options.spin = std::chrono::microseconds(
+      spin_us >= 0 ? spin_us : (std::thread::hardware_concurrency() >= 8 ? 200 : 0));
+  options.request_bytes = static_cast<int>((request_bytes + 4096 + 63) / 64 * 64);
+  std::string error;
+  auto queue = client::CallQueueClient::Create(options, &error);
+  if (queue == nullptr) {
+    std::fprintf(stderr, "attn_loadgen: %s\n", error.c_str());
+    std::exit(1);
+  }
+  v1::RegisterRegionRequest req;
+  req.set_name(name);
+  req.set_session(session);
+  req.mutable_shared_memory()->set_shm_name(queue->shm_name());
+  req.set_size(queue->size());
+  req.set_key(queue->key());
+  req.mutable_call_queue()->set_slots(options.slots);
+  req.mutable_call_queue()->set_request_bytes(options.request_bytes);
+  req.mutable_call_queue()->set_response_bytes(options.response_bytes);
+  grpc::ClientContext ctx;
+  v1::RegisterRegionResponse resp;
+  const grpc::Status st = stub.RegisterRegion(&ctx, req, &resp);
+  queue->Unlink();  // mapped by the server, or refused: the name goes either way
+  if (!st.ok()) {
+    std::fprintf(stderr, "RegisterRegion (call queue) failed: %d %s\n",
+                 static_cast<int>(st.error_code()), st.error_message().c_str());
+    std::exit(1);
+  }
+  return queue;
+}
+
+// One call through the client's queue: the request serialized, sent, its answer parsed.
+grpc::Status QueueCall(client::CallQueueClient& queue, const v1::DecodeRequest& decode,
+                       const std::vector<v1::PrefillRequest>& prefills, size_t& next,
+                       v1::AttentionResponse* resp) {
+  namespace cq = ::attnserve::v1::call_queue;
+  const bool prefill = !prefills.empty();
+  const std::string bytes =
+      prefill ? prefills[next++ % prefills.size()].SerializeAsString() : decode.SerializeAsString();
+  client::CallQueueClient::Answer answer =
+      queue.Call(prefill ? cq::kPrefill : cq::kDecode, bytes, std::chrono::seconds(60));
+  if (answer.code != 0) return grpc::Status(grpc::StatusCode(answer.code), answer.bytes);
+  if (!resp->ParseFromString(answer.bytes)) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, "the answer is not an AttentionResponse");
+  }
+  return grpc::Status::OK;
+}
+
 struct Sample {
   double client_us, queue_us, compute_us, total_us;
   int batch_requests;
@@ -458,6 +523,11 @@ int Main() {
     std::fprintf(stderr, "--transport must be bytes, shm or cuda\n");
     return 2;
   }
+  const bool call_queue = absl::GetFlag(FLAGS_call_queue);
+  if (call_queue && transport == "bytes") {
+    std::fprintf(stderr, "--call_queue needs --transport=shm or cuda\n");
+    return 2;
+  }
   std::atomic<bool> measuring{false}, stop{false};
   std::vector<Stats> stats(clients + (background > 0));
   std::vector<std::thread> threads;
@@ -491,6 +561,12 @@ int Main() {
         IntoRegions(&decode, g, *arena, t, false);
         for (auto& p : prefills) IntoRegions(&p, g, *arena, t, true);
       }
+      std::unique_ptr<client::CallQueueClient> queue;
+      if (call_queue && !bg) {
+        size_t largest = decode.ByteSizeLong();
+        for (const auto& p : prefills) largest = std::max(largest, p.ByteSizeLong());
+        queue = RegisterQueue(*stubs[c], seqs[c].session, absl::StrCat("q", c), largest);
+      }
       size_t next = 0;
       const bool spin = absl::GetFlag(FLAGS_spin);
       while (!stop.load()) {
@@ -499,7 +575,8 @@ int Main() {
         v1::AttentionResponse resp;
         const auto start = Clock::now();
         const grpc::Status st =
-            spin               ? SpinCall(*stubs[c], &ctx, decode, prefills, next, &resp)
+            queue              ? QueueCall(*queue, decode, prefills, next, &resp)
+            : spin             ? SpinCall(*stubs[c], &ctx, decode, prefills, next, &resp)
             : prefills.empty() ? stubs[c]->Decode(&ctx, decode, &resp)
                                : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()], &resp);
         const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
@@ -514,6 +591,14 @@ int Main() {
                                     double(t.prepare_us()), double(t.execute_us()),
                                     double(t.finish_us())});
         stats[c].tokens += prefills.empty() ? batch : (bg ? background : prefill_tokens);
+      }
+      if (queue) {
+        grpc::ClientContext ctx;
+        v1::UnregisterRegionRequest req;
+        req.set_name(absl::StrCat("q", c));
+        req.set_session(seqs[c].session);
+        v1::UnregisterRegionResponse resp;
+        CHECK_RPC(stubs[c]->UnregisterRegion(&ctx, req, &resp));
       }
     });
   }

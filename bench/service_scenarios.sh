@@ -24,7 +24,7 @@ cat >"$config" <<EOC
 pools { name: "bench" kind: POOL_KIND_GQA num_layers: 1 page_size: 16 num_qo_heads: 32
         num_kv_heads: 8 head_dim: 128 num_pages: 80000 }
 data_plane { shared_memory: true cuda_ipc: true max_regions_per_session: 64
-             max_region_bytes_per_session: 17179869184 }
+             max_region_bytes_per_session: 17179869184 max_call_queues_per_session: 16 }
 EOC
 transports=(bytes shm)
 [ "$backend" = cuda ] && transports+=(cuda)
@@ -86,6 +86,15 @@ load transport_unix_shm_decode_b64 --clients=1 --batch=64 --transport=shm
 load transport_unix_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm
 # The caller polling for its reply instead of sleeping: what waking its thread costs.
 load transport_unix_shm_decode_b64_spin --clients=1 --batch=64 --transport=shm --spin
+# The same calls through a shared-memory call queue per client (attention.proto, "Call queues"):
+# no gRPC and no thread wake-up per call; merging with 8 clients must still hold.
+load transport_queue_shm_decode_b64 --clients=1 --batch=64 --transport=shm --call_queue
+load transport_queue_shm_decode_b256 --clients=1 --batch=256 --transport=shm --call_queue
+load transport_queue_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm --call_queue
+load transport_queue_shm_eight_clients_b8 --clients=8 --batch=8 --transport=shm --call_queue
+if [ "$backend" = cuda ]; then
+  load transport_queue_cuda_decode_b64 --clients=1 --batch=64 --transport=cuda --call_queue
+fi
 stop_server
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then

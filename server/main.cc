@@ -76,6 +76,9 @@ ABSL_FLAG(int, health_port, -1,
 ABSL_FLAG(std::string, inject_fault, "",
           "Testing hook: make a launch fail or take long as a device can (sticky:N, alloc:N "
           "or delay:MS; see server/backends/fault_injection.h)");
+ABSL_FLAG(int, call_queue_spin_us, -1,
+          "How long a call queue's thread polls after each call before sleeping on its doorbell, "
+          "microseconds (default 100 with 8 or more cores, else 0; data_plane.call_queue_spin_us)");
 ABSL_FLAG(bool, cuda_single_stream, false,
           "Run prefill and decode on one CUDA stream (for comparisons; default: a stream each)");
 
@@ -124,6 +127,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.tls_key_file = Given(FLAGS_tls_key_file);
   o.tls_client_ca_file = Given(FLAGS_tls_client_ca_file);
   o.health_port = Given(FLAGS_health_port);
+  o.call_queue_spin_us = Given(FLAGS_call_queue_spin_us);
   if (absl::GetFlag(FLAGS_cuda_single_stream)) o.cuda_single_stream = true;
   absl::StatusOr<ServerOptions> options = ResolveConfig(file ? &*file : nullptr, o);
   if (options.ok()) options->backend.inject_fault = absl::GetFlag(FLAGS_inject_fault);
@@ -244,7 +248,10 @@ int Run() {
     std::cerr << "attnserve: " << (auth.ok() ? credentials.status() : auth.status()) << "\n";
     return 2;
   }
-  AttentionServiceImpl service(engine->get(), &metrics, &*auth, options->max_message_bytes);
+  CallQueueOptions call_queues;
+  call_queues.spin = absl::Microseconds(options->data_plane.call_queue_spin_us);
+  AttentionServiceImpl service(engine->get(), &metrics, &*auth, options->max_message_bytes,
+                               call_queues);
   // Health on both ports, reflection only on the main one (server/rpc/health.h and
   // reflection.h say why neither is gRPC's own).
   grpc::EnableDefaultHealthCheckService(false);
@@ -374,6 +381,7 @@ int Run() {
                                     " s) passed: ", cancelled,
                                     " queued call(s) cancelled, the running ones finished"))
             << "\n";
+  service.StopCallQueues();  // their threads call into the engine
   engine->reset();
   return exit_code;
 }

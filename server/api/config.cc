@@ -4,6 +4,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -88,6 +89,20 @@ absl::Status ResolveDataPlane(const v1::DataPlaneConfig& c, DataPlaneOptions* d)
     d->limits.max_bytes_per_session = c.max_region_bytes_per_session();
   }
   if (!c.shm_name_prefix().empty()) d->shm_name_prefix = c.shm_name_prefix();
+  if (c.max_call_queues() != 0) d->max_call_queues = c.max_call_queues();
+  if (c.max_call_queues_per_session() != 0) {
+    d->max_call_queues_per_session = c.max_call_queues_per_session();
+  }
+  // Polling burns the core it runs on: worth it beside spare cores, not on a small machine where
+  // it takes the CPU from the threads that run the call (bench/RESULTS.md, "Call queues").
+  d->call_queue_spin_us = c.has_call_queue_spin_us()                 ? c.call_queue_spin_us()
+                          : std::thread::hardware_concurrency() >= 8 ? 100
+                                                                     : 0;
+  ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_call_queues", d->max_call_queues, 1, 1024));
+  ATTN_RETURN_IF_ERROR(
+      CheckRange("data_plane.max_call_queues_per_session", d->max_call_queues_per_session, 1, 64));
+  ATTN_RETURN_IF_ERROR(
+      CheckRange("data_plane.call_queue_spin_us", d->call_queue_spin_us, 0, 100000));
   ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_regions_per_session",
                                   d->limits.max_regions_per_session, 1, 1024));
   ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_region_bytes_per_session",
@@ -162,6 +177,7 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
     c.MergeFrom(*file);
   }
 
+  if (o.call_queue_spin_us) c.mutable_data_plane()->set_call_queue_spin_us(*o.call_queue_spin_us);
   ServerOptions s;
   s.listen_address = o.listen_address.value_or(c.listen_address());
   s.metrics_port = o.metrics_port.value_or(c.metrics_port());

@@ -64,6 +64,7 @@ struct ConfigOverrides {
   std::optional<std::string> tls_key_file;
   std::optional<std::string> tls_client_ca_file;
   std::optional<int> health_port;
+  std::optional<int> call_queue_spin_us;
 };
 
 // The embedded default: 127.0.0.1:50051 (metrics on port 9464), backend auto, one GQA pool

@@ -191,6 +191,12 @@ absl::StatusOr<RegionUse> Engine::ResolveRegions(const Caller& caller,
   return regions_.Resolve(owner, slices);
 }
 
+absl::StatusOr<RegionHold> Engine::HoldRegion(const Caller& caller, absl::string_view name,
+                                              std::function<void(RegionGone)> on_gone) {
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  return regions_.Hold(owner, name, std::move(on_gone));
+}
+
 // --- Pages
 
 absl::StatusOr<std::vector<int32_t>> Engine::AllocatePages(absl::string_view pool_name,

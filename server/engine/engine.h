@@ -120,6 +120,9 @@ class Engine {
   // (RegionTable::Resolve); pass the result to Admit.
   absl::StatusOr<RegionUse> ResolveRegions(const Caller& caller,
                                            absl::Span<const SliceRef> slices);
+  // Keeps the caller's region `name` mapped for a call queue (RegionTable::Hold).
+  absl::StatusOr<RegionHold> HoldRegion(const Caller& caller, absl::string_view name,
+                                        std::function<void(RegionGone)> on_gone);
 
   // --- Prefill and Decode.
   // The pool called `name`; an empty name selects the only pool when there is exactly one.

@@ -12,7 +12,40 @@ struct RegionUse::Region {
   const std::string name;
   const std::unique_ptr<MappedMemory> memory;
   std::atomic<int> in_use{0};  // RegionUses holding it
+
+  // The region left its table: tells the holder (RegionHold), once.
+  void Gone(RegionGone why) {
+    absl::MutexLock lock(&watch_mu);
+    if (on_gone) std::exchange(on_gone, nullptr)(why);
+    gone = true;
+  }
+  absl::Mutex watch_mu;
+  std::function<void(RegionGone)> on_gone ABSL_GUARDED_BY(watch_mu);
+  bool held ABSL_GUARDED_BY(watch_mu) = false;
+  bool gone ABSL_GUARDED_BY(watch_mu) = false;
 };
+
+RegionHold& RegionHold::operator=(RegionHold&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    region_ = std::move(other.region_);
+  }
+  return *this;
+}
+
+void RegionHold::Reset() {
+  if (region_ == nullptr) return;
+  {
+    absl::MutexLock lock(&region_->watch_mu);
+    region_->on_gone = nullptr;
+    region_->held = false;
+  }
+  region_.reset();
+}
+
+char* RegionHold::data() const { return region_->memory->data(); }
+int64_t RegionHold::size() const { return region_->memory->size(); }
+bool RegionHold::broken() const { return region_->memory->broken(); }
 
 void RegionUse::Release() {
   for (const auto& region : regions_) region->in_use.fetch_sub(1, std::memory_order_acq_rel);
@@ -82,6 +115,7 @@ std::shared_ptr<RegionUse::Region> RegionTable::EraseLocked(SessionId session,
   auto s = sessions_.find(session);
   auto it = s->second.by_name.find(name);
   std::shared_ptr<RegionUse::Region> region = std::move(it->second.region);
+  if (region != nullptr) region->Gone(RegionGone::kUnregistered);
   s->second.bytes -= it->second.size;
   s->second.by_name.erase(it);
   if (s->second.by_name.empty()) sessions_.erase(s);
@@ -175,8 +209,9 @@ std::vector<RegionInfo> RegionTable::List(SessionId session) const {
   if (s == sessions_.end()) return out;
   for (const auto& [name, slot] : s->second.by_name) {
     if (slot.region == nullptr) continue;
-    out.push_back(
-        RegionInfo{name, slot.region->memory->kind(), slot.size, slot.region->in_use.load()});
+    absl::MutexLock watch(&slot.region->watch_mu);
+    out.push_back(RegionInfo{name, slot.region->memory->kind(), slot.size,
+                             slot.region->in_use.load(), slot.region->held});
   }
   return out;
 }
@@ -189,6 +224,7 @@ int RegionTable::ReleaseSession(SessionId session, std::vector<std::shared_ptr<v
   for (auto& [name, slot] : s->second.by_name) {
     if (slot.region == nullptr) continue;
     ++count;
+    slot.region->Gone(RegionGone::kSessionReleased);
     unmap->push_back(std::move(slot.region));
   }
   sessions_.erase(s);
@@ -236,6 +272,28 @@ absl::StatusOr<RegionUse> RegionTable::Resolve(SessionId session,
     use.slices_.push_back({region.memory->data() + slice.offset, region.memory->kind(), index});
   }
   return use;
+}
+
+absl::StatusOr<RegionHold> RegionTable::Hold(SessionId session, absl::string_view name,
+                                             std::function<void(RegionGone)> on_gone) {
+  absl::MutexLock lock(&mu_);
+  Slot* slot = FindLocked(session, name);
+  if (slot == nullptr || slot->region == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("region '", Shown(name), "' is not registered by this session"));
+  }
+  RegionHold hold;
+  {
+    absl::MutexLock watch(&slot->region->watch_mu);
+    if (slot->region->held) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("region '", name, "' is already held (a call queue serves it)"));
+    }
+    slot->region->held = true;
+    slot->region->on_gone = std::move(on_gone);
+  }
+  hold.region_ = slot->region;
+  return hold;
 }
 
 int RegionTable::size() const {

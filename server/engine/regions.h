@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -76,6 +77,10 @@ struct DataPlaneOptions {
   bool cuda_ipc = false;
   RegionLimits limits;
   std::string shm_name_prefix = "/attnserve";  // only names starting with this are opened
+  // Call queues (server/rpc/call_queue.h), with shared memory: each has a thread of its own.
+  int max_call_queues = 16;
+  int max_call_queues_per_session = 4;
+  int call_queue_spin_us = 100;  // polling after each call before sleeping on the doorbell
 };
 
 // A region as ListRegions shows it.
@@ -84,6 +89,7 @@ struct RegionInfo {
   RegionKind kind = RegionKind::kSharedMemory;
   int64_t size = 0;
   int calls_in_flight = 0;
+  bool held = false;  // by a RegionHold: a call queue
 };
 
 // A byte range a call reads or writes in one of its session's regions.
@@ -112,6 +118,7 @@ class RegionUse {
 
  private:
   friend class RegionTable;
+  friend class RegionHold;
   struct Region;
   void Release();
   struct Slice {
@@ -121,6 +128,33 @@ class RegionUse {
   };
   std::vector<std::shared_ptr<Region>> regions_;  // distinct, each counted once
   std::vector<Slice> slices_;
+};
+
+// Why a region left its table: UnregisterRegion, or its session closed or expired.
+enum class RegionGone { kUnregistered, kSessionReleased };
+
+// Keeps a registered region mapped for a user that is not a call: a call queue's server thread
+// (server/rpc/call_queue.h). It does not count as a call in flight, so the region can still be
+// unregistered; the `on_gone` given to RegionTable::Hold tells the holder when the region leaves
+// its table, and is never called once the hold is destroyed or reset. Move-only.
+class RegionHold {
+ public:
+  RegionHold() = default;
+  RegionHold(RegionHold&& other) noexcept = default;
+  RegionHold& operator=(RegionHold&& other) noexcept;
+  ~RegionHold() { Reset(); }
+
+  // Stops watching, then lets the region go (unmapped here if nothing else uses it).
+  void Reset();
+  bool held() const { return region_ != nullptr; }
+  char* data() const;
+  int64_t size() const;
+  // Whether the memory under a shared-memory mapping went away (MappedMemory::broken).
+  bool broken() const;
+
+ private:
+  friend class RegionTable;
+  std::shared_ptr<RegionUse::Region> region_;
 };
 
 class RegionTable {
@@ -160,6 +194,12 @@ class RegionTable {
   // (INVALID_ARGUMENT otherwise), memory intact (FAILED_PRECONDITION) -- and marks the regions in
   // use. All or nothing.
   absl::StatusOr<RegionUse> Resolve(SessionId session, absl::Span<const SliceRef> slices);
+
+  // Holds the session's region `name` (NOT_FOUND when not registered). `on_gone` runs once, when
+  // the region leaves the table, under this table's lock: it must not block or call back into
+  // the table. A region has at most one holder (FAILED_PRECONDITION for a second).
+  absl::StatusOr<RegionHold> Hold(SessionId session, absl::string_view name,
+                                  std::function<void(RegionGone)> on_gone);
 
   int size() const;  // regions registered, over all sessions
 

@@ -1,5 +1,6 @@
 #include "server/rpc/service.h"
 
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "grpc/grpc_security_constants.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/proto_buffer_writer.h"
+#include "proto/attnserve/v1/call_queue.h"
 #include "server/api/pool_config.h"
 #include "server/api/validate.h"
 #include "server/rpc/call_log.h"
@@ -72,6 +74,7 @@ v1::RegionInfo ToProto(const RegionInfo& r) {
                                                     : v1::RegionInfo::KIND_CUDA_IPC);
   info.set_size(r.size);
   info.set_calls_in_flight(r.calls_in_flight);
+  info.set_call_queue(r.held);
   return info;
 }
 
@@ -147,8 +150,21 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
 };
 
 AttentionServiceImpl::AttentionServiceImpl(Engine* engine, Metrics* metrics, const Authorizer* auth,
-                                           int64_t max_message_bytes)
-    : engine_(engine), metrics_(metrics), auth_(auth), max_message_bytes_(max_message_bytes) {}
+                                           int64_t max_message_bytes,
+                                           CallQueueOptions call_queue_options)
+    : engine_(engine),
+      metrics_(metrics),
+      auth_(auth),
+      max_message_bytes_(max_message_bytes),
+      call_queue_options_(std::move(call_queue_options)),
+      call_queues_(engine->data_plane().max_call_queues,
+                   engine->data_plane().max_call_queues_per_session) {}
+
+AttentionServiceImpl::~AttentionServiceImpl() { StopCallQueues(); }
+
+void AttentionServiceImpl::StopCallQueues() {
+  call_queues_.StopAll(absl::UnavailableError("the server is shutting down; retry on another"));
+}
 
 template <typename Request, typename Response>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(const char* method,
@@ -276,6 +292,10 @@ void AttentionServiceImpl::HandleGetServerInfo(
   dp->set_max_regions_per_session(plane.limits.max_regions_per_session);
   dp->set_max_region_bytes_per_session(plane.limits.max_bytes_per_session);
   dp->set_shm_name_prefix(plane.shm_name_prefix);
+  dp->set_call_queue(plane.shared_memory);
+  dp->set_max_call_queues_per_session(plane.max_call_queues_per_session);
+  dp->set_call_queue_spin_us(
+      static_cast<int32_t>(absl::ToInt64Microseconds(call_queue_options_.spin)));
   for (const auto& pool : engine_->pools()) {
     v1::PoolInfo* info = resp.add_pools();
     *info = ToPoolInfo(pool->geometry);
@@ -342,6 +362,7 @@ void AttentionServiceImpl::HandleRegisterRegion(
   spec.offset = req.offset();
   spec.size = req.size();
   spec.key = req.key();
+  if (req.has_call_queue()) return RegisterCallQueue(call, spec);
   absl::StatusOr<RegionInfo> region =
       engine_->RegisterRegion(call.CallerOf(req.session()), req.name(), spec);
   if (!region.ok()) return call.Complete(region.status());
@@ -351,8 +372,14 @@ void AttentionServiceImpl::HandleRegisterRegion(
 
 void AttentionServiceImpl::HandleUnregisterRegion(
     Call<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>& call) {
-  call.Complete(
-      engine_->UnregisterRegion(call.CallerOf(call.request.session()), call.request.name()));
+  const v1::UnregisterRegionRequest& req = call.request;
+  if (absl::Status st = engine_->UnregisterRegion(call.CallerOf(req.session()), req.name());
+      !st.ok()) {
+    return call.Complete(st);
+  }
+  // A call queue answers once its calls in flight are answered (on its thread, which stopped
+  // when the region left the table): from then on nothing writes into its memory.
+  call_queues_.WhenStopped(req.session(), req.name(), [&call] { call.Complete(absl::OkStatus()); });
 }
 
 void AttentionServiceImpl::HandleListRegions(
@@ -374,63 +401,14 @@ void AttentionServiceImpl::HandleCloseSession(
 
 template <typename Request>
 void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>& call) {
-  const Request& req = call.request;
-  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
-  if (!pool.ok()) return call.Complete(pool.status());
-  const PoolGeometry& g = (*pool)->geometry;
-
-  const Caller caller = call.CallerOf(req.session());
-  const RegionResolver regions = [this, &caller](absl::Span<const SliceRef> slices) {
-    return engine_->ResolveRegions(caller, slices);
-  };
-  const FiniteCheck finite =
-      engine_->backend().ChecksFiniteInputs() ? FiniteCheck::kBackend : FiniteCheck::kHost;
-  absl::StatusOr<ValidatedCall> valid;
-  if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
-    valid = ValidatePrefill(req, call.tensors, g, regions, finite);
-  } else {
-    valid = ValidateDecode(req, call.tensors, g, regions, finite);
-  }
-  if (!valid.ok()) return call.Complete(valid.status());
-  const int total_q = valid->call.total_q;
-  const bool return_lse = valid->call.return_lse;
-  absl::StatusOr<Admission> admitted =
-      engine_->Admit(**pool, caller, std::move(valid->call), std::move(valid->regions));
-  if (!admitted.ok()) return call.Complete(admitted.status());
-
-  // The outputs' shapes; their bytes are the backend's (sent from its buffer) or in the regions
-  // the request named.
-  const RowShapes& rows = g.rows();
-  v1::Tensor* out = call.response.mutable_output();
-  out->set_dtype(v1::DTYPE_BF16);
-  out->add_shape(total_q);
-  out->add_shape(rows.out.heads);
-  out->add_shape(rows.out.dim);
-  if (req.has_output_to()) *out->mutable_region() = req.output_to();
-  if (return_lse) {
-    v1::Tensor* lse = call.response.mutable_lse();
-    lse->set_dtype(v1::DTYPE_FP32);
-    lse->add_shape(total_q);
-    lse->add_shape(rows.lse);
-    if (req.has_lse_to()) *lse->mutable_region() = req.lse_to();
-  }
-
   grpc::CallbackServerContext* ctx = call.ctx;
-  engine_->Submit(
-      *std::move(admitted), ToAbslTime(ctx->deadline()), [ctx] { return ctx->IsCancelled(); },
+  RunAttention(
+      call.request, call.tensors, call.CallerOf(call.request.session()), call.arrived,
+      ToAbslTime(ctx->deadline()), [ctx] { return ctx->IsCancelled(); },
+      std::numeric_limits<int64_t>::max(), &call.response,
       [&call](const absl::Status& st, const CallReport& report) {
-        if (st.ok()) {
-          v1::Timings* t = call.response.mutable_timings();
-          t->set_queue_us(Micros(report.launched - report.enqueued));
-          t->set_compute_us(Micros(report.launch.compute));
-          t->set_prepare_us(Micros(report.launch.prepare));
-          t->set_execute_us(Micros(report.launch.execute));
-          t->set_finish_us(Micros(report.launch.finish));
-          t->set_total_us(Micros(report.finished - call.arrived));
-          t->set_batch_requests(report.batch_requests);
-          call.out = report.out;
-          call.lse = report.lse;
-        }
+        call.out = report.out;
+        call.lse = report.lse;
         if (report.retry_after > absl::ZeroDuration()) {
           // The standard gRPC retry-pushback trailer: clients with a retry policy wait this long.
           call.ctx->AddTrailingMetadata(
@@ -438,6 +416,220 @@ void AttentionServiceImpl::HandleAttention(Call<Request, v1::AttentionResponse>&
               absl::StrCat(absl::ToInt64Milliseconds(report.retry_after)));
         }
         call.Complete(st);
+      });
+}
+
+template <typename Request>
+void AttentionServiceImpl::RunAttention(const Request& req, const InlineTensors& tensors,
+                                        const Caller& caller, absl::Time arrived,
+                                        absl::Time deadline, std::function<bool()> is_cancelled,
+                                        int64_t max_inline_output_bytes,
+                                        v1::AttentionResponse* response, AttentionDone done) {
+  const auto refuse = [&done](const absl::Status& st) {
+    CallReport report;
+    report.enqueued = report.finished = absl::Now();
+    done(st, report);
+  };
+  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
+  if (!pool.ok()) return refuse(pool.status());
+  const PoolGeometry& g = (*pool)->geometry;
+
+  const RegionResolver regions = [this, &caller](absl::Span<const SliceRef> slices) {
+    return engine_->ResolveRegions(caller, slices);
+  };
+  const FiniteCheck finite =
+      engine_->backend().ChecksFiniteInputs() ? FiniteCheck::kBackend : FiniteCheck::kHost;
+  absl::StatusOr<ValidatedCall> valid;
+  if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
+    valid = ValidatePrefill(req, tensors, g, regions, finite);
+  } else {
+    valid = ValidateDecode(req, tensors, g, regions, finite);
+  }
+  if (!valid.ok()) return refuse(valid.status());
+  const int total_q = valid->call.total_q;
+  const bool return_lse = valid->call.return_lse;
+  const RowShapes& rows = g.rows();
+  int64_t inline_bytes = 0;
+  if (!valid->call.out.in_region()) inline_bytes += int64_t{total_q} * rows.out.elements() * 2;
+  if (return_lse && !valid->call.lse.in_region()) inline_bytes += int64_t{total_q} * rows.lse * 4;
+  if (inline_bytes > max_inline_output_bytes) {
+    return refuse(absl::InvalidArgumentError(
+        absl::StrCat("the outputs not written into a region take ", inline_bytes,
+                     " bytes; a call queue's slot answers with at most ", max_inline_output_bytes,
+                     ": name output_to (and lse_to) in a region")));
+  }
+  absl::StatusOr<Admission> admitted =
+      engine_->Admit(**pool, caller, std::move(valid->call), std::move(valid->regions));
+  if (!admitted.ok()) return refuse(admitted.status());
+
+  // The outputs' shapes; their bytes are the backend's (sent from its buffer) or in the regions
+  // the request named.
+  v1::Tensor* out = response->mutable_output();
+  out->set_dtype(v1::DTYPE_BF16);
+  out->add_shape(total_q);
+  out->add_shape(rows.out.heads);
+  out->add_shape(rows.out.dim);
+  if (req.has_output_to()) *out->mutable_region() = req.output_to();
+  if (return_lse) {
+    v1::Tensor* lse = response->mutable_lse();
+    lse->set_dtype(v1::DTYPE_FP32);
+    lse->add_shape(total_q);
+    lse->add_shape(rows.lse);
+    if (req.has_lse_to()) *lse->mutable_region() = req.lse_to();
+  }
+
+  engine_->Submit(*std::move(admitted), deadline, std::move(is_cancelled),
+                  [response, arrived, done = std::move(done)](const absl::Status& st,
+                                                              const CallReport& report) {
+                    if (st.ok()) {
+                      v1::Timings* t = response->mutable_timings();
+                      t->set_queue_us(Micros(report.launched - report.enqueued));
+                      t->set_compute_us(Micros(report.launch.compute));
+                      t->set_prepare_us(Micros(report.launch.prepare));
+                      t->set_execute_us(Micros(report.launch.execute));
+                      t->set_finish_us(Micros(report.launch.finish));
+                      t->set_total_us(Micros(report.finished - arrived));
+                      t->set_batch_requests(report.batch_requests);
+                    }
+                    done(st, report);
+                  });
+}
+
+// --- Call queues
+
+// Who registered a queue: the principal and session its calls act for, and whether the
+// registering token may call Decode and Prefill (checked then: tokens do not change while the
+// server runs).
+struct AttentionServiceImpl::QueueOwner {
+  Principal principal;
+  std::string session;
+  std::string name;
+  absl::Status decode_allowed, prefill_allowed;
+};
+
+void AttentionServiceImpl::RegisterCallQueue(
+    Call<v1::RegisterRegionRequest, v1::RegisterRegionResponse>& call, const RegionSpec& spec) {
+  const v1::RegisterRegionRequest& req = call.request;
+  if (spec.kind != RegionKind::kSharedMemory) {
+    return call.Complete(absl::InvalidArgumentError("a call queue must be in shared memory"));
+  }
+  const CallQueueGeometry geometry{req.call_queue().slots(), req.call_queue().request_bytes(),
+                                   req.call_queue().response_bytes()};
+  if (absl::Status st = CheckCallQueueGeometry(geometry, req.size()); !st.ok()) {
+    return call.Complete(st);
+  }
+  const Caller caller = call.CallerOf(req.session());
+  if (absl::Status st = call_queues_.Reserve(req.session(), req.name()); !st.ok()) {
+    // A retry of a registration whose answer was lost finds its region (or ALREADY_EXISTS).
+    absl::StatusOr<RegionInfo> again =
+        absl::IsAlreadyExists(st) ? engine_->RegisterRegion(caller, req.name(), spec) : st;
+    if (!again.ok()) return call.Complete(again.status());
+    *call.response.mutable_region() = ToProto(*again);
+    return call.Complete(absl::OkStatus());
+  }
+  absl::StatusOr<RegionInfo> region = engine_->RegisterRegion(caller, req.name(), spec);
+  if (!region.ok()) {
+    call_queues_.Abandon(req.session(), req.name());
+    return call.Complete(region.status());
+  }
+  auto owner = std::make_shared<QueueOwner>();
+  owner->principal = call.principal;
+  owner->session = req.session();
+  owner->name = req.name();
+  owner->decode_allowed = Authenticate(call.ctx, kDecode).status();
+  owner->prefill_allowed = Authenticate(call.ctx, kPrefill).status();
+  std::shared_ptr<const QueueOwner> shared_owner = owner;
+  auto queue =
+      std::make_unique<CallQueueServer>(req.name(), geometry, call_queue_options_,
+                                        [this, shared_owner](std::unique_ptr<QueuedCall> queued) {
+                                          ServeQueued(shared_owner, std::move(queued));
+                                        });
+  CallQueueServer* q = queue.get();
+  const std::string name = req.name();
+  absl::StatusOr<RegionHold> hold =
+      engine_->HoldRegion(caller, req.name(), [q, name](RegionGone why) {
+        q->Stop(why == RegionGone::kUnregistered
+                    ? absl::FailedPreconditionError(
+                          absl::StrCat("call queue '", name, "' was unregistered"))
+                    : absl::NotFoundError(absl::StrCat("the session of call queue '", name,
+                                                       "' was closed or expired")));
+      });
+  if (!hold.ok()) {
+    call_queues_.Abandon(req.session(), req.name());
+    engine_->UnregisterRegion(caller, req.name()).IgnoreError();
+    return call.Complete(hold.status());
+  }
+  q->Start(*std::move(hold));
+  call_queues_.Commit(req.session(), req.name(), std::move(queue));
+  region->held = true;
+  *call.response.mutable_region() = ToProto(*region);
+  call.Complete(absl::OkStatus());
+}
+
+void AttentionServiceImpl::ServeQueued(const std::shared_ptr<const QueueOwner>& owner,
+                                       std::unique_ptr<QueuedCall> call) {
+  if (call->method() == ::attnserve::v1::call_queue::kPrefill) {
+    ServeQueuedAs<v1::PrefillRequest>(owner, std::move(call));
+  } else {
+    ServeQueuedAs<v1::DecodeRequest>(owner, std::move(call));
+  }
+}
+
+template <typename Request>
+void AttentionServiceImpl::ServeQueuedAs(const std::shared_ptr<const QueueOwner>& owner,
+                                         std::unique_ptr<QueuedCall> call) {
+  constexpr bool kPrefillCall = std::is_same_v<Request, v1::PrefillRequest>;
+  const char* const method = kPrefillCall ? kPrefill : kDecode;
+  // Lives until the call is answered: the request's tensors point into the slot's copy.
+  struct State {
+    std::unique_ptr<QueuedCall> slot;
+    Request request;
+    InlineTensors tensors;
+    v1::AttentionResponse response;
+  };
+  auto state = std::make_shared<State>();
+  state->slot = std::move(call);
+  const absl::Time arrived = state->slot->taken();
+  metrics_->OnRpcStarted();
+  const auto finish = [this, method, arrived, owner](State& s, const absl::Status& status,
+                                                     absl::Duration retry_after) {
+    metrics_->OnRpc(method, status, absl::Now() - arrived);
+    if (!status.ok()) {
+      LogFailedCall(method, status, "", absl::StrCat("call-queue:", owner->name));
+    }
+    metrics_->OnRpcFinished();
+    std::string bytes;
+    if (status.ok()) s.response.SerializeToString(&bytes);
+    s.slot->Finish(status, bytes, retry_after);
+  };
+  const absl::string_view bytes = state->slot->request();
+  absl::Status st =
+      ReadAttentionRequest(absl::MakeConstSpan(&bytes, 1), &state->request, &state->tensors);
+  if (st.ok()) st = kPrefillCall ? owner->prefill_allowed : owner->decode_allowed;
+  if (st.ok() && state->request.session().empty()) state->request.set_session(owner->session);
+  if (st.ok() && state->request.session() != owner->session) {
+    st = absl::InvalidArgumentError(
+        absl::StrCat("a call over call queue '", owner->name,
+                     "' must name the queue's session (or none): its session is another one"));
+  }
+  if (!st.ok()) return finish(*state, st, absl::ZeroDuration());
+  State* const s = state.get();
+  // Room for the response's shapes, region slices and timings beside the outputs' bytes.
+  constexpr int64_t kResponseFields = 1024;
+  RunAttention(
+      s->request, s->tensors, Caller{s->request.session(), owner->principal}, arrived,
+      s->slot->deadline(), [s] { return s->slot->cancelled(); },
+      static_cast<int64_t>(s->slot->response_capacity()) - kResponseFields, &s->response,
+      [state, finish](const absl::Status& status, const CallReport& report) {
+        if (status.ok()) {
+          if (report.out.size > 0) {
+            state->response.mutable_output()->set_data(report.out.data, report.out.size);
+          }
+          if (report.lse.size > 0) {
+            state->response.mutable_lse()->set_data(report.lse.data, report.lse.size);
+          }
+        }
+        finish(*state, status, report.retry_after);
       });
 }
 

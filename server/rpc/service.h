@@ -11,10 +11,12 @@
 #include <string>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/api/inline_tensors.h"
 #include "server/engine/engine.h"
 #include "server/metrics/metrics.h"
 #include "server/rpc/allocator_trim.h"
 #include "server/rpc/auth.h"
+#include "server/rpc/call_queue.h"
 
 namespace attn {
 
@@ -40,7 +42,12 @@ class AttentionServiceImpl final : public RawAttentionService {
   // `engine`, `metrics` and `auth` must outlive the service. The engine decides; the service
   // converts requests into engine calls and their results into responses and statuses.
   AttentionServiceImpl(Engine* engine, Metrics* metrics, const Authorizer* auth,
-                       int64_t max_message_bytes);
+                       int64_t max_message_bytes, CallQueueOptions call_queue_options = {});
+  ~AttentionServiceImpl() override;
+
+  // Stops every call queue (their waiting slots are answered UNAVAILABLE) and waits for their
+  // calls: before the engine goes away.
+  void StopCallQueues();
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const grpc::ByteBuffer* in,
@@ -95,6 +102,29 @@ class AttentionServiceImpl final : public RawAttentionService {
   template <typename Request>
   void HandleAttention(Call<Request, v1::AttentionResponse>& call);
 
+  // What the gRPC handlers and the call queues share for Prefill and Decode: validates `req`
+  // against its pool, admits it for `caller` and submits it. `done` runs once (here when the
+  // call is refused, on the batcher thread otherwise); on success `*response` then has the
+  // outputs' shapes (and region slices) and the timings, and the report the outputs left for the
+  // response. Outputs not in a region must fit `max_inline_output_bytes` (INVALID_ARGUMENT).
+  using AttentionDone = std::function<void(const absl::Status&, const CallReport&)>;
+  template <typename Request>
+  void RunAttention(const Request& req, const InlineTensors& tensors, const Caller& caller,
+                    absl::Time arrived, absl::Time deadline, std::function<bool()> is_cancelled,
+                    int64_t max_inline_output_bytes, v1::AttentionResponse* response,
+                    AttentionDone done);
+
+  // Call queues: registration (a RegisterRegion with call_queue set) and the calls taken out of
+  // a queue's slots.
+  struct QueueOwner;
+  void RegisterCallQueue(Call<v1::RegisterRegionRequest, v1::RegisterRegionResponse>& call,
+                         const RegionSpec& spec);
+  void ServeQueued(const std::shared_ptr<const QueueOwner>& owner,
+                   std::unique_ptr<QueuedCall> call);
+  template <typename Request>
+  void ServeQueuedAs(const std::shared_ptr<const QueueOwner>& owner,
+                     std::unique_ptr<QueuedCall> call);
+
   // Who makes the call: the principal of its bearer token (UNAUTHENTICATED / PERMISSION_DENIED
   // when it may not call `method`), or without tokens that of its client certificate, or
   // anonymous.
@@ -105,7 +135,9 @@ class AttentionServiceImpl final : public RawAttentionService {
   Metrics* const metrics_;
   const Authorizer* const auth_;
   const int64_t max_message_bytes_;
+  const CallQueueOptions call_queue_options_;
   AllocatorTrimmer trimmer_;
+  CallQueues call_queues_;
 };
 
 }  // namespace attn

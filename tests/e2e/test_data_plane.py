@@ -314,3 +314,26 @@ def test_a_dying_client_leaves_nothing_behind(plane_server: PlaneServer) -> None
         with pytest.raises(AttnError) as err:
             late.list_regions()
         assert err.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+@pytest.mark.parametrize("pool_name", ["gqa", "mla"])
+def test_calls_over_the_call_queue_match_the_reference(
+    plane_server: PlaneServer, pool_name: str
+) -> None:
+    """Prefill with append, then decode, through a call queue (attention.proto, "Call queues"):
+    checked against the reference like the gRPC calls, and the queue goes with the client."""
+    plane_server.require_regions()
+    with Client(plane_server.address, transport="shm", call_queue=True, timeout=60.0) as client:
+        s = session(client, pool_name, seed=21)
+        try:
+            s.chunk(["a", "b"], [23, 4])
+            s.chunk(["a", "b"], [3, 17])
+            for _ in range(2):
+                s.decode_step(["a", "b"])
+            queues = [r for r in client.list_regions() if r.call_queue]
+            assert len(queues) == 1 and queues[0].calls_in_flight == 0
+        finally:
+            s.close()
+        with Client(plane_server.address, session=client.session, transport="bytes") as observer:
+            client.close()  # unregisters the queue (and the arenas)
+            assert [r for r in observer.list_regions() if r.call_queue] == []

@@ -12,9 +12,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
+from attnserve.call_queue import DECODE as DECODE_METHOD
+from attnserve.call_queue import PREFILL as PREFILL_METHOD
+from attnserve.call_queue import CallQueue, QueueClosed
 from attnserve.calls import (
     ALLOCATE_PAGES,
     CLOSE_SESSION,
@@ -42,7 +46,7 @@ from attnserve.calls import (
     select_pool,
     with_session,
 )
-from attnserve.errors import AttnError
+from attnserve.errors import AttnError, error_for
 from attnserve.pages import BatchCsr
 from attnserve.regions import DEFAULT_ARENA_BYTES, DEFAULT_SHM_PREFIX
 from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
@@ -79,8 +83,14 @@ class Client:
         arena_bytes: int = DEFAULT_ARENA_BYTES,
         shm_prefix: str = DEFAULT_SHM_PREFIX,
         shm_mode: int = 0o600,
+        call_queue: bool | None = None,
     ) -> None:
         self._address = address
+        # None: Decode/Prefill whose tensors are in shared memory go through a call queue when
+        # the server offers one (attnserve.call_queue); False: always gRPC; True: the queue.
+        self._call_queue_wanted = call_queue
+        self._call_queue: CallQueue | None = None
+        self._call_queue_lock = threading.Lock()
         self._wait_for_ready = wait_for_ready
         self._transport = Transport(
             transport, address, arena_bytes=arena_bytes, shm_prefix=shm_prefix, shm_mode=shm_mode
@@ -316,12 +326,82 @@ class Client:
             except NeedArena as need:
                 as_bytes = not self._add_arena(need, timeout)
         try:
-            send = self.call_prefill if rpc is PREFILL else self.call_decode
-            result = send(staged.request, timeout=timeout)
+            queue = self._queue_for_call() if staged.blocks else None
+            result = None
+            if queue is not None:
+                result = self._queue_call(queue, rpc, staged.request, timeout)
+            if result is None:
+                send = self.call_prefill if rpc is PREFILL else self.call_decode
+                result = send(staged.request, timeout=timeout)
         except BaseException as e:
             staged.abandon(e)
             raise
         return staged.finish(result)
+
+    def _queue_for_call(self) -> CallQueue | None:
+        """The client's call queue, registered on first use when the server offers queues (or
+        when asked for); None: this call goes over gRPC."""
+        if self._call_queue_wanted is False:
+            return None
+        with self._call_queue_lock:
+            if self._call_queue is not None or self._call_queue_wanted is False:
+                return self._call_queue
+            if self._call_queue_wanted is None:
+                dp = self.server_info().data_plane
+                if not dp.call_queue:
+                    self._call_queue_wanted = False
+                    return None
+            queue = CallQueue(prefix=self._transport.shm_prefix)
+            try:
+                self._invoke(REGISTER_REGION, queue.register_request(), None)
+            except AttnError:
+                queue.close()
+                if self._call_queue_wanted:
+                    raise
+                self._call_queue_wanted = False
+                return None
+            queue.registered()
+            self._call_queue = queue
+            return queue
+
+    def _queue_call(
+        self, queue: CallQueue, rpc: Rpc[AttentionResult], request: Any, timeout: float | None
+    ) -> AttentionResult | None:
+        """One call through the queue; None when the server closed it (the call then goes over
+        gRPC, and later calls too unless the queue was asked for)."""
+        request = with_session(request, self._session_for(rpc))
+        method = PREFILL_METHOD if rpc is PREFILL else DECODE_METHOD
+        try:
+            code, data, retry_ms = queue.call(
+                method, request.SerializeToString(), self._timeout if timeout is None else timeout
+            )
+        except QueueClosed:
+            with self._call_queue_lock:
+                if self._call_queue is queue:
+                    self._call_queue = None
+                    if not self._call_queue_wanted:
+                        self._call_queue_wanted = False
+            queue.close()
+            return None
+        except TimeoutError as e:
+            raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, str(e), method=rpc.name) from None
+        if code != 0:
+            status = next(c for c in grpc.StatusCode if c.value[0] == code)
+            message = data.decode("utf-8", "replace")
+            raise error_for(status, message, method=rpc.name, retry_pushback_ms=retry_ms or None)
+        return rpc.decode(pb.AttentionResponse.FromString(data))
+
+    def _drop_call_queue(self, *, unregister: bool) -> None:
+        with self._call_queue_lock:
+            queue, self._call_queue = self._call_queue, None
+        if queue is None:
+            return
+        if unregister:
+            try:
+                self._invoke(UNREGISTER_REGION, pb.UnregisterRegionRequest(name=queue.name), 5.0)
+            except AttnError:
+                pass  # the session is gone, or so is the server: the queue went with it
+        queue.close()
 
     def _add_arena(self, need: NeedArena, timeout: float | None) -> bool:
         """Creates and registers the arena staging asked for (unless another call did
@@ -347,6 +427,7 @@ class Client:
 
     def _release_regions(self, *, unregister: bool) -> None:
         """Forgets the arenas, unregistering them first (unless the session went with them)."""
+        self._drop_call_queue(unregister=unregister)
         for arena in self._transport.take_arenas():
             if unregister:
                 request = pb.UnregisterRegionRequest(name=arena.name)

@@ -199,6 +199,14 @@ def _shm_open(name: str, flags: int, mode: int) -> int:
     return _posixshmem.shm_open(name, flags, mode)
 
 
+def unlink_shm(name: str) -> None:
+    """Removes a shared-memory name; one already gone is fine."""
+    try:
+        _shm_unlink(name)
+    except FileNotFoundError:
+        pass
+
+
 def _shm_unlink(name: str) -> None:
     try:
         import _posixshmem
@@ -270,7 +278,4 @@ class SharedMemoryArena(Arena):
     def _unlink(self) -> None:
         if self._linked:
             self._linked = False
-            try:
-                _shm_unlink(self.shm_name)
-            except FileNotFoundError:
-                pass
+            unlink_shm(self.shm_name)

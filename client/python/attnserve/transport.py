@@ -326,6 +326,10 @@ class Transport:
         self.orphaned_bytes = 0  # blocks of unanswered calls, never reused
 
     @property
+    def shm_prefix(self) -> str:
+        return self._shm_prefix
+
+    @property
     def needs_server_info(self) -> bool:
         """Whether resolve() must be given GetServerInfo before staging."""
         return self._kinds is None and (self.transport == "cuda" or is_local_address(self._address))

@@ -1,0 +1,226 @@
+"""A call queue: Decode and Prefill through shared memory instead of gRPC (attention.proto,
+"Call queues"; the layout is proto/attnserve/v1/call_queue.h, restated here).
+
+The client registers one queue per session (Client(call_queue=...)): a POSIX shared-memory
+object of SLOTS call slots. A call writes its serialized request into a free slot, publishes it
+and waits for the server's answer in the slot: it polls for a moment, then sleeps on the slot's
+futex (through libc's syscall(2) via ctypes; without it, short sleeps). Python has no atomic
+read-modify-write on shared memory, so this side always rings the server's doorbell (one cheap
+syscall) rather than only when the server announced that it sleeps, and sleeps on its own slot in
+bounded slices, so a wake-up missed for want of a memory fence costs a slice, never a hang.
+Slots are handed out under a lock: concurrent calls of one client take different slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import struct
+import threading
+import time
+
+from attnserve.regions import (
+    DEFAULT_SHM_PREFIX,
+    HEADER_BYTES,
+    _shm_open,
+    new_key,
+    new_region_name,
+    new_shm_name,
+    region_header,
+    unlink_shm,
+)
+from attnserve.v1 import attention_pb2 as pb
+
+FREE, SUBMITTED, TAKEN, DONE = 0, 1, 2, 3
+DECODE, PREFILL = 1, 2
+DOORBELL, SERVER_SLEEPING, CLOSED, SLOTS_AT = 64, 68, 72, 128
+SLOT_HEADER = 64
+STATE, CLIENT_WAITING, METHOD, REQUEST_LEN, TIMEOUT_US, CANCEL = 0, 4, 8, 12, 16, 24
+STATUS, RESPONSE_LEN, RETRY_AFTER_MS = 32, 36, 40
+
+SLOTS = 4
+REQUEST_BYTES = 256 << 10
+RESPONSE_BYTES = 64 << 10
+SPIN_S = 50e-6  # polling before the first sleep
+SLICE_S = 1e-3  # longest sleep between looks at the slot
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc() -> ctypes.CDLL | None:
+    if _SYS_FUTEX is None:
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+class QueueClosed(Exception):
+    """The server stopped serving the queue (unregistered, session gone, shutting down)."""
+
+
+class CallQueue:
+    """One registered queue. register_request() for RegisterRegion, registered() once it
+    succeeded, call() per call, close() after UnregisterRegion (or once the session is gone)."""
+
+    def __init__(
+        self,
+        *,
+        prefix: str = DEFAULT_SHM_PREFIX,
+        slots: int = SLOTS,
+        request_bytes: int = REQUEST_BYTES,
+        response_bytes: int = RESPONSE_BYTES,
+    ) -> None:
+        self.name = new_region_name("queue")
+        self.shm_name = new_shm_name(prefix)
+        self.key = new_key()
+        self.slots, self.request_bytes, self.response_bytes = slots, request_bytes, response_bytes
+        self.stride = SLOT_HEADER + request_bytes + response_bytes
+        self.size = SLOTS_AT + slots * self.stride
+        fd = _shm_open(self.shm_name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._linked = True
+        try:
+            os.ftruncate(fd, self.size)
+            self._map = mmap.mmap(fd, self.size)
+        except BaseException:
+            self._unlink()
+            raise
+        finally:
+            os.close(fd)
+        self._map[:HEADER_BYTES] = region_header(self.key)
+        self._buf = memoryview(self._map)
+        self._words = self._buf.cast("I")  # 32-bit words: each read and written in one access
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+        self._have_slot = threading.Condition(self._lock)
+        self.closed_here = False
+
+    def register_request(self, session: str = "") -> pb.RegisterRegionRequest:
+        return pb.RegisterRegionRequest(
+            name=self.name,
+            shared_memory=pb.SharedMemory(shm_name=self.shm_name),
+            size=self.size,
+            key=self.key,
+            session=session,
+            call_queue=pb.CallQueue(
+                slots=self.slots,
+                request_bytes=self.request_bytes,
+                response_bytes=self.response_bytes,
+            ),  # fmt: skip
+        )
+
+    def registered(self) -> None:
+        self._unlink()  # the server mapped it: the name can go
+
+    @property
+    def server_closed(self) -> bool:
+        return self._word(CLOSED) != 0
+
+    def call(self, method: int, request: bytes, timeout: float | None) -> tuple[int, bytes, int]:
+        """(status code, answer bytes, retry_after_ms) of one call; TimeoutError past timeout
+        (the slot is then never reused: the server may still answer into it), QueueClosed."""
+        if len(request) > self.request_bytes:
+            raise ValueError(f"the request ({len(request)} bytes) does not fit a slot of "
+                             f"{self.request_bytes}")  # fmt: skip
+        give_up = None if timeout is None else time.monotonic() + timeout
+        with self._have_slot:
+            while not self._free:
+                if self.server_closed:
+                    raise QueueClosed("the server closed the call queue")
+                if not self._have_slot.wait(
+                    None if give_up is None else give_up - time.monotonic()
+                ):
+                    raise TimeoutError("no free call-queue slot before the timeout")
+            i = self._free.pop()
+        base = SLOTS_AT + i * self.stride
+        try:
+            self._buf[base + SLOT_HEADER : base + SLOT_HEADER + len(request)] = request
+            timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
+            struct.pack_into("<IIq", self._map, base + METHOD, method, len(request), timeout_us)
+            self._set(base + CANCEL, 0)
+            self._set(base + CLIENT_WAITING, 0)
+            self._set(base + STATE, SUBMITTED)  # x86 keeps stores in order: the request first
+            self._set(DOORBELL, (self._word(DOORBELL) + 1) & 0xFFFFFFFF)
+            self._wake(DOORBELL)
+            answer = self._await(base, give_up)
+        except (TimeoutError, QueueClosed):
+            raise  # the slot stays out of use: the server may still answer into it
+        with self._have_slot:
+            self._free.append(i)
+            self._have_slot.notify()
+        return answer
+
+    def _await(self, base: int, give_up: float | None) -> tuple[int, bytes, int]:
+        spin_end = time.monotonic() + SPIN_S
+        while True:
+            state = self._word(base + STATE)
+            if state == DONE:
+                break
+            now = time.monotonic()
+            if self.server_closed and state == SUBMITTED:
+                raise QueueClosed("the server closed the call queue")
+            if give_up is not None and now >= give_up:
+                self._set(base + CANCEL, 1)
+                raise TimeoutError("no answer from the call queue before the timeout")
+            if now < spin_end:
+                continue
+            self._set(base + CLIENT_WAITING, 1)
+            if self._word(base + STATE) != DONE:
+                self._sleep(base + STATE, state, SLICE_S)
+        self._set(base + CLIENT_WAITING, 0)
+        status, length, retry = struct.unpack_from("<iII", self._map, base + STATUS)
+        area = base + SLOT_HEADER + self.request_bytes
+        data = bytes(self._buf[area : area + min(length, self.response_bytes)])
+        self._set(base + STATE, FREE)
+        return status, data, retry
+
+    def _word(self, offset: int) -> int:
+        return self._words[offset // 4]
+
+    def _set(self, offset: int, value: int) -> None:
+        self._words[offset // 4] = value
+
+    def _address(self, offset: int) -> int:
+        return self._base + offset
+
+    def _wake(self, offset: int) -> None:
+        if _LIBC is not None:
+            _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self._address(offset)), _FUTEX_WAKE, 1,
+                          None, None, 0)  # fmt: skip
+
+    def _sleep(self, offset: int, expected: int, seconds: float) -> None:
+        if _LIBC is None:
+            time.sleep(min(seconds, 1e-4))
+            return
+        ts = _Timespec(0, int(seconds * 1e9))
+        _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self._address(offset)), _FUTEX_WAIT,
+                      ctypes.c_uint(expected), ctypes.byref(ts), None, 0)  # fmt: skip
+
+    def close(self) -> None:
+        if self.closed_here:
+            return
+        self.closed_here = True
+        self._unlink()
+        self._words.release()
+        self._buf.release()
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+
+    def _unlink(self) -> None:
+        if self._linked:
+            self._linked = False
+            unlink_shm(self.shm_name)
