@@ -8,6 +8,8 @@ latency minus the kernel (Timings.compute_us), as attn_loadgen does.
 The pool is the server's only pool. q is handed over as bf16 bits (a uint16 array, what a model
 in bf16 holds), the page table is staged once (stage_page_table) as a scheduler does for every
 layer of a step, and the output is copied out of the arena into the result (the client's API).
+With --prepared the call is staged once (Client.prepare): q stays in its arena view, which a
+model would write its queries into, and the output is read in place, as attn_loadgen does.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--warmup_seconds", type=float, default=1.0)
+    p.add_argument("--prepared", action="store_true", help="Client.prepare(): one staging")
     p.add_argument("--json", default="")
     args = p.parse_args()
 
@@ -57,15 +60,19 @@ def main() -> int:
         client_us: list[float] = []
         compute_us: list[float] = []
         with client.stage_page_table(table) as staged:
+            prepared = client.prepare("decode", q, staged) if args.prepared else None
+            call = prepared.run if prepared else lambda: client.decode(0, q, staged)
             start = time.perf_counter()
             while time.perf_counter() - start < args.warmup_seconds:
-                client.decode(0, q, staged)
+                call()
             start = time.perf_counter()
             while time.perf_counter() - start < args.seconds:
                 t0 = time.perf_counter()
-                result = client.decode(0, q, staged)
+                result = call()
                 client_us.append((time.perf_counter() - t0) * 1e6)
                 compute_us.append(result.timings.compute_us)
+            if prepared:
+                prepared.close()
         for ids in pages:
             client.free_pages(ids)
         kinds = client.transport.kinds
@@ -74,6 +81,7 @@ def main() -> int:
     e = c - np.array(compute_us)
     r = {
         "transport": args.transport,
+        "prepared": args.prepared,
         "kinds": str(kinds),
         "batch": args.batch,
         "context": args.context,
@@ -87,7 +95,8 @@ def main() -> int:
     }
     lat, e2e = r["client_us"], r["end_to_end_overhead_us"]
     print(
-        f"python client, {args.transport} ({kinds}), decode batch {args.batch} x {args.context}: "
+        f"python client, {args.transport} ({kinds}){', prepared' if args.prepared else ''}, "
+        f"decode batch {args.batch} x {args.context}: "
         f"{len(c)} calls\n  client us p50 {lat['p50']:.0f} p99 {lat['p99']:.0f}"
         f" | compute p50 {r['compute_us_p50']:.0f}\n  end to end  client - compute p50 "
         f"{e2e['p50']:.0f} p99 {e2e['p99']:.0f}"

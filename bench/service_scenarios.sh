@@ -68,13 +68,18 @@ for t in "${transports[@]}"; do
 done
 # The fixed cost of a call: one sequence of one page, over shared memory.
 load transport_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm
-# The Python client on attn_loadgen's decode batch 64 (needs the client's grpcio and protobuf).
-for t in bytes shm; do
-  [[ -z "$match" || "python_${t}_decode_b64" =~ $match ]] || continue
-  echo "== python_${t}_decode_b64"
+# The Python client on attn_loadgen's decode batch 64 (needs the client's grpcio and protobuf):
+# python_load NAME [client_bench args...]
+python_load() {
+  local name=$1
+  shift
+  [[ -z "$match" || "$name" =~ $match ]] || return 0
+  echo "== $name"
   python3 bench/client_bench.py --address="$address" --context="$context" --seconds="$seconds" \
-    --batch=64 --transport="$t" --json="$out/python_${t}_decode_b64.json" ||
-    echo "python client bench failed"
+    --json="$out/$name.json" "$@" || echo "python client bench failed"
+}
+for t in bytes shm; do
+  python_load "python_${t}_decode_b64" --batch=64 --transport="$t"
 done
 stop_server
 # The same over a unix socket (what a caller on the node uses).
@@ -95,6 +100,11 @@ load transport_queue_shm_eight_clients_b8 --clients=8 --batch=8 --transport=shm 
 if [ "$backend" = cuda ]; then
   load transport_queue_cuda_decode_b64 --clients=1 --batch=64 --transport=cuda --call_queue
 fi
+# The Python client on the same socket: its shm calls take a call queue by themselves.
+python_load python_queue_shm_decode_b64 --batch=64 --transport=shm
+python_load python_queue_shm_floor_b1 --batch=1 --context=16 --transport=shm
+python_load python_queue_prepared_shm_decode_b64 --batch=64 --transport=shm --prepared
+python_load python_queue_prepared_shm_floor_b1 --batch=1 --context=16 --transport=shm --prepared
 stop_server
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then

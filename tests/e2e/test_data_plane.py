@@ -337,3 +337,77 @@ def test_calls_over_the_call_queue_match_the_reference(
         with Client(plane_server.address, session=client.session, transport="bytes") as observer:
             client.close()  # unregisters the queue (and the arenas)
             assert [r for r in observer.list_regions() if r.call_queue] == []
+
+
+@pytest.mark.parametrize("call_queue", [True, False])
+@pytest.mark.parametrize("pool_name", ["gqa", "mla"])
+def test_a_prepared_call_runs_every_layer(
+    plane_server: PlaneServer, pool_name: str, call_queue: bool
+) -> None:
+    """Client.prepare(): staged once, rewritten in place for each layer (decode with append),
+    over the call queue and over gRPC; every run checked against the reference, the outputs read
+    from the prepared call's own views."""
+    plane_server.require_regions()
+    with Client(
+        plane_server.address, transport="shm", call_queue=call_queue, timeout=60.0
+    ) as client:
+        s = session(client, pool_name, seed=31)
+        try:
+            s.chunk(["x", "y"], [12, 30])
+            s.grow(["x", "y"], [1, 1])
+            csr = s.table.csr(["x", "y"])
+            scale = s.default_scale
+            with client.stage_page_table(csr) as staged:
+                first = s.tokens(2)
+                with client.prepare("decode", table=staged, pool=s.pool.name, sm_scale=scale,
+                                    return_lse=True, **first) as call:  # fmt: skip
+                    assert sorted(call.inputs) == sorted(first)
+                    for layer in range(s.pool.num_layers):
+                        bits = first if layer == 0 else s.tokens(2)
+                        for name, value in bits.items():
+                            call.inputs[name][...] = value
+                        result = call.run(layer=layer)
+                        assert result.region_output is call.output
+                        values = {k: bf16_to_float(v) for k, v in bits.items()}
+                        rows = {k.removesuffix("_new"): v for k, v in values.items() if "_new" in k}
+                        s.mirror.append(layer, csr, rows)
+                        out, lse = s.expected(layer, csr, values, scale)
+                        check_result(result, out, lse)
+                    queues = [r for r in client.list_regions() if r.call_queue]
+                    assert len(queues) == (1 if call_queue else 0)
+        finally:
+            s.close()
+
+
+def test_a_refused_prepared_run_leaves_the_call_usable(plane_server: PlaneServer) -> None:
+    """A run the server refuses (a NaN in q: INVALID_ARGUMENT, nothing appended) changes nothing
+    of the prepared call: the next run with good numbers goes through."""
+    plane_server.require_regions()
+    with Client(plane_server.address, transport="shm", timeout=60.0) as client:
+        s = session(client, "gqa", seed=32)
+        try:
+            s.chunk(["x"], [20])
+            csr = s.table.csr(["x"])
+            bits = s.tokens(1)
+            q = bits["q"]
+            with client.prepare("decode", q, csr, pool="gqa", sm_scale=s.default_scale) as call:
+                call.inputs["q"][...] = 0x7FC0  # bf16 NaN
+                with pytest.raises(AttnError) as err:
+                    call.run()
+                assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                call.inputs["q"][...] = q
+                out, lse = s.expected(0, csr, {"q": bf16_to_float(q)}, s.default_scale)
+                check_result(call.run(), out, None)
+        finally:
+            s.close()
+
+
+def test_prepare_needs_an_arena(plane_server: PlaneServer) -> None:
+    with Client(plane_server.address, transport="bytes", timeout=60.0) as client:
+        pool = client.pool_info("gqa")
+        q = np.zeros((1, pool.num_qo_heads, pool.head_dim), np.uint16)
+        table = empty_table()
+        with pytest.raises(ValueError, match="arena"):
+            client.prepare("decode", q, table, pool="gqa")
+        with pytest.raises(ValueError, match="op must be"):
+            client.prepare("append", q, table, pool="gqa")

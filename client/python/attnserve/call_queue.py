@@ -5,9 +5,11 @@ The client registers one queue per session (Client(call_queue=...)): a POSIX sha
 object of SLOTS call slots. A call writes its serialized request into a free slot, publishes it
 and waits for the server's answer in the slot: it polls for a moment, then sleeps on the slot's
 futex (through libc's syscall(2) via ctypes; without it, short sleeps). Python has no atomic
-read-modify-write on shared memory, so this side always rings the server's doorbell (one cheap
-syscall) rather than only when the server announced that it sleeps, and sleeps on its own slot in
-bounded slices, so a wake-up missed for want of a memory fence costs a slice, never a hang.
+read-modify-write on shared memory, so this side rings the server's doorbell with FUTEX_WAKE_OP:
+the kernel adds 1 to the doorbell and wakes the server in one atomic step (one syscall per call,
+rather than only when the server announced that it sleeps; a plain read-add-write could lose the
+server's own increment and let it sleep through the call). It sleeps on its own slot in bounded
+slices, so a wake-up missed for want of a memory fence costs a slice, never a hang.
 Slots are handed out under a lock: concurrent calls of one client take different slots.
 """
 
@@ -47,7 +49,10 @@ SPIN_S = 50e-6  # polling before the first sleep
 SLICE_S = 1e-3  # longest sleep between looks at the slot
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_FUTEX_WAIT, _FUTEX_WAKE, _FUTEX_WAKE_OP = 0, 1, 5
+# FUTEX_OP(FUTEX_OP_ADD, 1, FUTEX_OP_CMP_EQ, 0): *uaddr2 += 1 (the conditional second wake
+# wakes nobody: its count is 0).
+_ADD_ONE = (1 << 28) | (1 << 12)
 
 
 class _Timespec(ctypes.Structure):
@@ -152,8 +157,7 @@ class CallQueue:
             self._set(base + CANCEL, 0)
             self._set(base + CLIENT_WAITING, 0)
             self._set(base + STATE, SUBMITTED)  # x86 keeps stores in order: the request first
-            self._set(DOORBELL, (self._word(DOORBELL) + 1) & 0xFFFFFFFF)
-            self._wake(DOORBELL)
+            self._ring()
             answer = self._await(base, give_up)
         except (TimeoutError, QueueClosed):
             raise  # the slot stays out of use: the server may still answer into it
@@ -195,10 +199,13 @@ class CallQueue:
     def _address(self, offset: int) -> int:
         return self._base + offset
 
-    def _wake(self, offset: int) -> None:
-        if _LIBC is not None:
-            _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(self._address(offset)), _FUTEX_WAKE, 1,
-                          None, None, 0)  # fmt: skip
+    def _ring(self) -> None:
+        """Adds 1 to the doorbell and wakes the server, atomically (FUTEX_WAKE_OP)."""
+        if _LIBC is None:
+            self._set(DOORBELL, (self._word(DOORBELL) + 1) & 0xFFFFFFFF)  # the server polls
+            return
+        bell = ctypes.c_void_p(self._address(DOORBELL))
+        _LIBC.syscall(_SYS_FUTEX, bell, _FUTEX_WAKE_OP, 1, None, bell, _ADD_ONE)
 
     def _sleep(self, offset: int, expected: int, seconds: float) -> None:
         if _LIBC is None:

@@ -48,9 +48,10 @@ from attnserve.calls import (
 )
 from attnserve.errors import AttnError, error_for
 from attnserve.pages import BatchCsr
+from attnserve.prepared import PreparedCall, rpc_for
 from attnserve.regions import DEFAULT_ARENA_BYTES, DEFAULT_SHM_PREFIX
 from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
-from attnserve.transport import NeedArena, StagedPageTable, Transport, plane_may_free
+from attnserve.transport import NeedArena, StagedCall, StagedPageTable, Transport, plane_may_free
 from attnserve.v1 import attention_pb2 as pb
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
 
@@ -315,28 +316,82 @@ class Client:
         self, rpc: Rpc[AttentionResult], request: object, tensors: dict, timeout: float | None
     ) -> AttentionResult:
         """Stages the tensors (transport), sends the call, reads the outputs back."""
+        staged = self._stage(request, tensors, timeout)
+        try:
+            result = self._send(rpc, staged.request, bool(staged.blocks), timeout)
+        except BaseException as e:
+            staged.abandon(e)
+            raise
+        return staged.finish(result)
+
+    def _stage(self, request: Any, tensors: dict, timeout: float | None) -> StagedCall:
+        """The request with its tensors in arenas (registered as needed) or in the message."""
         plane = self._transport
         if plane.needs_server_info:
             plane.resolve(self.server_info(timeout=timeout))
         as_bytes = False
         while True:
             try:
-                staged = plane.stage_call(request, tensors, as_bytes=as_bytes)
-                break
+                return plane.stage_call(request, tensors, as_bytes=as_bytes)
             except NeedArena as need:
                 as_bytes = not self._add_arena(need, timeout)
-        try:
-            queue = self._queue_for_call() if staged.blocks else None
-            result = None
-            if queue is not None:
-                result = self._queue_call(queue, rpc, staged.request, timeout)
-            if result is None:
-                send = self.call_prefill if rpc is PREFILL else self.call_decode
-                result = send(staged.request, timeout=timeout)
-        except BaseException as e:
-            staged.abandon(e)
-            raise
-        return staged.finish(result)
+
+    def _send(
+        self,
+        rpc: Rpc[AttentionResult],
+        request: Any,
+        in_regions: bool,
+        timeout: float | None,
+        serialized: bytes | None = None,
+    ) -> AttentionResult:
+        """One Prefill/Decode: through the call queue when its tensors are in regions and the
+        server offers one, else over gRPC. `serialized`: the request's bytes, when the caller
+        already has them (session included)."""
+        queue = self._queue_for_call() if in_regions else None
+        if queue is not None:
+            result = self._queue_call(queue, rpc, request, timeout, serialized)
+            if result is not None:
+                return result
+        send = self.call_prefill if rpc is PREFILL else self.call_decode
+        return send(request, timeout=timeout)
+
+    def prepare(
+        self,
+        op: str,
+        q: TensorLike,
+        table: TableLike,
+        *,
+        layer: int = 0,
+        pool: str = "",
+        q_pe: TensorLike | None = None,
+        k_new: TensorLike | None = None,
+        v_new: TensorLike | None = None,
+        ckv_new: TensorLike | None = None,
+        kpe_new: TensorLike | None = None,
+        sm_scale: float | None = None,
+        return_lse: bool = False,
+        timeout: float | None = None,
+    ) -> PreparedCall:
+        """Stages a "decode" or "prefill" call once for many runs (attnserve.prepared): the
+        tensors given are copied into fixed slices of an arena, whose views the caller rewrites
+        between runs. Arguments as in prefill() / decode(); every tensor must go to an arena
+        (shared memory or CUDA IPC), else ValueError."""
+        rpc = rpc_for(op)
+        request, tensors = attention_request(
+            rpc,
+            layer,
+            q,
+            table,
+            pool=pool,
+            q_pe=q_pe,
+            k_new=k_new,
+            v_new=v_new,
+            ckv_new=ckv_new,
+            kpe_new=kpe_new,
+            sm_scale=sm_scale,
+            return_lse=return_lse,
+        )
+        return PreparedCall(self, rpc, self._stage(request, tensors, timeout))
 
     def _queue_for_call(self) -> CallQueue | None:
         """The client's call queue, registered on first use when the server offers queues (or
@@ -365,15 +420,21 @@ class Client:
             return queue
 
     def _queue_call(
-        self, queue: CallQueue, rpc: Rpc[AttentionResult], request: Any, timeout: float | None
+        self,
+        queue: CallQueue,
+        rpc: Rpc[AttentionResult],
+        request: Any,
+        timeout: float | None,
+        serialized: bytes | None = None,
     ) -> AttentionResult | None:
         """One call through the queue; None when the server closed it (the call then goes over
         gRPC, and later calls too unless the queue was asked for)."""
-        request = with_session(request, self._session_for(rpc))
+        if serialized is None:
+            serialized = with_session(request, self._session_for(rpc)).SerializeToString()
         method = PREFILL_METHOD if rpc is PREFILL else DECODE_METHOD
         try:
             code, data, retry_ms = queue.call(
-                method, request.SerializeToString(), self._timeout if timeout is None else timeout
+                method, serialized, self._timeout if timeout is None else timeout
             )
         except QueueClosed:
             with self._call_queue_lock:
