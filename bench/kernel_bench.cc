@@ -4,7 +4,8 @@
 // same shapes with torch's SDPA backends (and the cuBLAS GEMM ceiling); bench/report.py joins the
 // two JSON files into bench/RESULTS.md's table.
 //
-//   kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N]
+//   kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N] [--prefill_variants 0,10]
+//                [--mla_variants 0,10] [--min_chunk KEYS] [--waves W]
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -49,7 +50,7 @@ struct Shape {
 
 struct Result {
   Shape shape;
-  int variant = -1;  // GQA prefill tile shape (-1: default)
+  int variant = -1;  // GQA prefill tile shape or MLA kernel (-1: default)
   double median_us = 0, tflops = 0, tbps = 0;
   size_t items = 0;
   int chunk_len = 0;
@@ -167,7 +168,7 @@ Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overri
   if (s.mla) {
     o.sm_scale = 0.1352337747812271f;
     testing::MlaHostBatch h = testing::MakeMlaBatch({1, s.page_size, s.qo_heads}, s.seqs, o, rng);
-    CHECK_CUDA(DeviceBatch::Create(h, &d, overrides));
+    CHECK_CUDA(DeviceBatch::Create(h, &d, variant, overrides));
   } else {
     testing::GqaHostBatch h =
         testing::MakeGqaBatch({1, s.page_size, s.qo_heads, s.kv_heads, s.head_dim}, s.seqs, o, rng);
@@ -190,7 +191,13 @@ Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overri
 int Main(int argc, char** argv) {
   std::string json, filter;
   int runs = 30;
-  std::vector<int> variants{-1};
+  std::vector<int> variants{-1}, mla_variants{-1};
+  auto parse_list = [](const char* arg) {
+    std::vector<int> list;
+    std::stringstream in(arg);
+    for (std::string v; std::getline(in, v, ',');) list.push_back(std::stoi(v));
+    return list;
+  };
   testing::PlanOverrides overrides;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -204,14 +211,15 @@ int Main(int argc, char** argv) {
       overrides.min_chunk_len = std::atoi(argv[++i]);
     else if (a == "--waves" && i + 1 < argc)
       overrides.target_waves = std::atof(argv[++i]);
-    else if (a == "--prefill_variants" && i + 1 < argc) {
-      variants.clear();
-      std::stringstream list(argv[++i]);
-      for (std::string v; std::getline(list, v, ',');) variants.push_back(std::stoi(v));
-    } else {
-      std::fprintf(stderr,
-                   "usage: kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N] "
-                   "[--prefill_variants 0,1] [--min_chunk KEYS] [--waves W]\n");
+    else if (a == "--prefill_variants" && i + 1 < argc)
+      variants = parse_list(argv[++i]);
+    else if (a == "--mla_variants" && i + 1 < argc)
+      mla_variants = parse_list(argv[++i]);
+    else {
+      std::fprintf(
+          stderr,
+          "usage: kernel_bench [--json FILE] [--filter SUBSTRING] [--runs N] "
+          "[--prefill_variants 0,10] [--mla_variants 0,10] [--min_chunk KEYS] [--waves W]\n");
       return 2;
     }
   }
@@ -234,9 +242,9 @@ int Main(int argc, char** argv) {
   for (const Shape& s : Shapes()) {
     if (!filter.empty() && s.name.find(filter) == std::string::npos) continue;
     const bool has_variants = !s.mla && !s.decode && s.head_dim <= 128;
-    for (int v : has_variants ? variants : std::vector<int>{-1}) {
+    for (int v : s.mla ? mla_variants : has_variants ? variants : std::vector<int>{-1}) {
       Result r = Measure(s, v, overrides, runs, flush, flush_bytes);
-      if (v > 0) r.shape.name += "_v" + std::to_string(v);
+      if (v > 0 || (s.mla && v == 0)) r.shape.name += "_v" + std::to_string(v);
       std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(), r.median_us,
                   r.tflops, r.tbps, 100.0 * r.tbps / copy_tbps, r.items, r.chunk_len);
       std::fflush(stdout);

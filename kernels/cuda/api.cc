@@ -22,6 +22,7 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   c.block_n = tiling.block_n;
   c.cta_slots = tiling.num_sms * tiling.ctas_per_sm;
   c.min_chunk_len = tiling.min_chunk_len;
+  c.waves_before_split = tiling.waves_before_split;
   c.causal = causal;
   c.max_partial_rows = max_partial_rows;
   return c;
@@ -47,6 +48,24 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
   return cudaSuccess;
 }
 
+// Resolves an MLA variant for the current device as ResolvePrefillVariant does.
+cudaError_t ResolveMlaVariant(int* variant) {
+  bool sm90 = false;
+#ifdef ATTN_HAVE_SM90
+  if (*variant < 0 || *variant == kMlaSm90) ATTN_CUDA_RETURN_IF_ERROR(MlaSm90Available(&sm90));
+#endif
+  if (*variant == kMlaSm90 && !sm90) return cudaErrorNotSupported;
+  if (*variant < 0) *variant = sm90 ? kMlaSm90 : kMlaPortable;
+  return *variant == kMlaSm90 || *variant == kMlaPortable ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchMlaVariant(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+#ifdef ATTN_HAVE_SM90
+  if (plan.variant == kMlaSm90) return LaunchMlaSm90(p, plan, stream);
+#endif
+  return LaunchMla(p, plan, stream);
+}
+
 }  // namespace
 
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling) {
@@ -63,11 +82,14 @@ cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling) {
 
 cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling) {
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
+  ATTN_CUDA_RETURN_IF_ERROR(ResolveMlaVariant(&tiling->variant));
+#ifdef ATTN_HAVE_SM90
+  if (tiling->variant == kMlaSm90) return MlaSm90Tiling(decode, tiling);
+#endif
   return MlaTiling(num_heads, decode, tiling);
 }
 
-PlanConfig GqaPlanConfig(const GqaParams& p, const KernelTiling& tiling,
-                         int64_t max_partial_rows) {
+PlanConfig GqaPlanConfig(const GqaParams& p, const KernelTiling& tiling, int64_t max_partial_rows) {
   PlanConfig c = BaseConfig(tiling, max_partial_rows, p.causal);
   c.group = p.num_qo_heads / p.cache.num_kv_heads;
   c.num_kv_heads = p.cache.num_kv_heads;
@@ -75,8 +97,7 @@ PlanConfig GqaPlanConfig(const GqaParams& p, const KernelTiling& tiling,
   return c;
 }
 
-PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling,
-                         int64_t max_partial_rows) {
+PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling, int64_t max_partial_rows) {
   PlanConfig c = BaseConfig(tiling, max_partial_rows, p.causal);
   c.group = p.num_heads;
   c.num_kv_heads = 1;
@@ -101,7 +122,7 @@ cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_
 }
 
 cudaError_t MlaAttention(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-  if (plan.num_items > 0) ATTN_CUDA_RETURN_IF_ERROR(LaunchMla(p, plan, stream));
+  if (plan.num_items > 0) ATTN_CUDA_RETURN_IF_ERROR(LaunchMlaVariant(p, plan, stream));
   return LaunchMergeStates(plan, p.num_heads, kMlaCkvDim, p.out, p.lse, stream);
 }
 

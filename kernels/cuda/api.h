@@ -40,6 +40,11 @@ inline constexpr int kGqaPrefillSm90Overlap = 11;  // softmax under P V, warpgro
 inline constexpr int kGqaPrefillSm90LeanSerial = 12;
 inline constexpr int kGqaPrefillSm90LeanOverlap = 13;
 
+// MLA variants (KernelTiling::variant): the portable kernel and the Hopper one (sm_90a, compute
+// capability 9.0), which the default (-1) selects where it runs (kernels/cuda/sm90/mla_sm90.cu).
+inline constexpr int kMlaPortable = 0;
+inline constexpr int kMlaSm90 = 10;
+
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {
   int variant = -1;     // which of the family's tile shapes (-1: the default for the shape)
@@ -49,10 +54,14 @@ struct KernelTiling {
   int num_sms = 0;
   // Shortest split-KV chunk worth its partial-output traffic (MLA partial rows are 512 floats).
   int min_chunk_len = 256;
+  // PlanConfig::waves_before_split: a kernel of few, long CTAs per SM splits only when a launch
+  // would not fill the GPU once.
+  double waves_before_split = 2.0;
 };
 
 // Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA
-// prefill, tiling->variant may name a tile shape on entry (benchmarks compare them).
+// prefill and MLA, tiling->variant may name a variant on entry (tests and benchmarks compare
+// them); on return it names the one the launch runs.
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling);
 cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling);
 
