@@ -71,7 +71,9 @@ constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
 
 constexpr int kRowFloats = 3 * kBlockM;  // per row: rescale factor, final max, final sum
-constexpr int kBarriers = 1 + 2 * kStages;
+// Q's, one per column block of each stage (S starts on a tile's first block while the others
+// are in flight), and each stage's release.
+constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages;
 // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
 constexpr int kSmemBytes =
     1024 + (1 + kStages) * kTileBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers;
@@ -93,8 +95,12 @@ struct Smem {
   __device__ float* FinalSum() const { return Rows() + 2 * kBlockM; }
   __device__ uint32_t Barrier(int i) const { return P() + kPBytes + kRowFloats * 4 + 8 * i; }
   __device__ uint32_t QFull() const { return Barrier(0); }
-  __device__ uint32_t KvFull(int stage) const { return Barrier(1 + stage); }
-  __device__ uint32_t KvEmpty(int stage) const { return Barrier(1 + kStages + stage); }
+  __device__ uint32_t KvFull(int stage, int cb) const {
+    return Barrier(1 + stage * kColumnBlocks + cb);
+  }
+  __device__ uint32_t KvEmpty(int stage) const {
+    return Barrier(1 + kStages * kColumnBlocks + stage);
+  }
 };
 
 struct Work {
@@ -142,25 +148,25 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     int64_t next[kRowPasses];
     lookup(t + 1, next);  // the page-table reads fly while this tile is issued
     BarrierWait(s.KvEmpty(stage), ((t / kStages) & 1) ^ 1);
+    const uint32_t dst = s.Kv(stage) + lane_offset;
 #pragma unroll
-    for (int i = 0; i < kRowPasses; ++i) {
-      const bf16* src = rows.base + offset[i] + chunk * 8;
-      const uint32_t dst = s.Kv(stage) + i * kRowsPerPass * 128 + lane_offset;
+    for (int cb = 0; cb < kColumnBlocks; ++cb) {
 #pragma unroll
-      for (int cb = 0; cb < kColumnBlocks; ++cb) {
-        CopyAsync16(dst + cb * kBlockBytes, src + cb * 64);
+      for (int i = 0; i < kRowPasses; ++i) {
+        CopyAsync16(dst + cb * kBlockBytes + i * kRowsPerPass * 128,
+                    rows.base + offset[i] + chunk * 8 + cb * 64);
       }
+      BarrierArriveOnCopies(s.KvFull(stage, cb));  // block cb, in the order S reads them
     }
-    BarrierArriveOnCopies(s.KvFull(stage));
 #pragma unroll
     for (int i = 0; i < kRowPasses; ++i) offset[i] = next[i];
   }
   WaitAllCopies();
 }
 
-// What both consumers do with a key stage.
-__device__ __forceinline__ void WaitFull(const Smem& s, int t) {
-  BarrierWait(s.KvFull(t % kStages), (t / kStages) & 1);
+// What both consumers do with a key stage: wait for column block cb of tile t.
+__device__ __forceinline__ void WaitFull(const Smem& s, int t, int cb) {
+  BarrierWait(s.KvFull(t % kStages, cb), (t / kStages) & 1);
   FenceProxyAsync();  // the cp.async data, seen through the barrier, before wgmma reads it
 }
 
@@ -202,11 +208,13 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   // field's unit). Q's are the same every tile: hoisted out of the loop, all 36 of them would
   // stay live (and spill), so the base is laundered through an opaque move each tile.
   const uint64_t q_desc0 = KMajorDescriptor(s.Q());
+  // Each column block is waited for just before its k-steps are issued.
   auto issue_qk = [&](int t) {
     const uint64_t q_desc = Opaque(q_desc0);
     const uint64_t k_desc = KMajorDescriptor(s.Kv(t % kStages));
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
+      if (ks % 4 == 0) WaitFull(s, t, ks / 4);
       const uint32_t step = ((ks / 4) * kBlockBytes + (ks % 4) * 32) >> 4;
       Wgmma<kBlockN>::SS(acc, q_desc + step, k_desc + step, ks > 0 ? 1u : 0u);
     }
@@ -238,7 +246,6 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
 
   if (w.num_tiles > 0) {
     BarrierWait(s.QFull(), 0);
-    WaitFull(s, 0);
     WgmmaFence();
     issue_qk(0);
     WgmmaCommit();
@@ -246,20 +253,15 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     PinRegisters(acc);
     softmax_tile(0);  // O is still 0: its factor changes nothing
     ScoresToA(acc, pf);
-    // One key tile: P V of tile t, with tile t + 1's S and softmax under it when kMore. The last
-    // tile is peeled off so that no GEMM is issued conditionally: ptxas serializes every wgmma
-    // of a kernel whose in-flight groups it cannot count.
+    // One key tile: P V of tile t, then (kMore) S of tile t + 1, whose softmax runs once P V is
+    // done. P V goes first so that tile t's stage is released (and refilled with tile t + 2)
+    // before S of tile t + 1 runs: issued the other way round, both stages would be in use until
+    // tile t + 1's S had to wait for tile t + 2's copies. The last tile is peeled off so that no
+    // GEMM is issued conditionally: ptxas serializes every wgmma of a kernel whose in-flight
+    // groups it cannot count.
     auto step = [&](int t, auto more) {
       constexpr bool kMore = decltype(more)::value;
-      // O is rescaled before any GEMM of this step is issued: touched between the issue and the
-      // wait, ptxas would serialize the wgmmas.
       RescaleAccumulator(o, alpha);
-      if constexpr (kMore) {
-        WaitFull(s, t + 1);
-        WgmmaFence();
-        issue_qk(t + 1);
-        WgmmaCommit();
-      }
       NamedBarrierSync(kPEmptyBarrier, 256);
       publish_p();
       NamedBarrierArrive(kPFullBarrier, 256);
@@ -270,17 +272,21 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       }
       WgmmaCommit();
       if constexpr (kMore) {
-        WgmmaWait<1>();  // S of tile t + 1 is ready; P V of tile t still runs
-        PinRegisters(acc);
-        softmax_tile(t + 1);
+        issue_qk(t + 1);
+        WgmmaCommit();
+        WgmmaWait<1>();  // P V of tile t is done; S of tile t + 1 may still run
+      } else {
+        WgmmaWait<0>();
       }
-      WgmmaWait<0>();
       PinRegisters(o);
       PinRegisters(pf);  // the GEMM read pf until here
       Release(s, t, lane);
-      // P is packed only now, into the registers the finished GEMM read: written while it ran,
-      // the compiler would serialize the wgmmas.
-      if constexpr (kMore) ScoresToA(acc, pf);
+      if constexpr (kMore) {
+        WgmmaWait<0>();
+        PinRegisters(acc);
+        softmax_tile(t + 1);
+        ScoresToA(acc, pf);
+      }
     };
     for (int t = 0; t + 1 < w.num_tiles; ++t) step(t, std::true_type());
     step(w.num_tiles - 1, std::false_type());
@@ -310,7 +316,9 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
   if (w.num_tiles > 0) {
     NamedBarrierArrive(kPEmptyBarrier, 256);  // P's buffer starts free
     for (int t = 0; t < w.num_tiles; ++t) {
-      WaitFull(s, t);
+      // Its V half's blocks (done long since: S read them), each seen through its barrier.
+#pragma unroll
+      for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, t, cb);
       NamedBarrierSync(kPFullBarrier, 256);
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
       RescaleAccumulator(o, alpha);
@@ -352,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
     for (int i = 0; i < kStages; ++i) {
-      BarrierInit(s.KvFull(i), 128);
+      for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
       BarrierInit(s.KvEmpty(i), 8);  // one arrival per consumer warp
     }
   }
