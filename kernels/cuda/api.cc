@@ -48,20 +48,22 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
   return cudaSuccess;
 }
 
+bool IsSm90Mla(int variant) { return variant >= kMlaSm90; }
+
 // Resolves an MLA variant for the current device as ResolvePrefillVariant does.
 cudaError_t ResolveMlaVariant(int* variant) {
   bool sm90 = false;
 #ifdef ATTN_HAVE_SM90
-  if (*variant < 0 || *variant == kMlaSm90) ATTN_CUDA_RETURN_IF_ERROR(MlaSm90Available(&sm90));
+  if (*variant < 0 || IsSm90Mla(*variant)) ATTN_CUDA_RETURN_IF_ERROR(MlaSm90Available(&sm90));
 #endif
-  if (*variant == kMlaSm90 && !sm90) return cudaErrorNotSupported;
+  if (IsSm90Mla(*variant) && !sm90) return cudaErrorNotSupported;
   if (*variant < 0) *variant = sm90 ? kMlaSm90 : kMlaPortable;
-  return *variant == kMlaSm90 || *variant == kMlaPortable ? cudaSuccess : cudaErrorInvalidValue;
+  return cudaSuccess;
 }
 
 cudaError_t LaunchMlaVariant(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
 #ifdef ATTN_HAVE_SM90
-  if (plan.variant == kMlaSm90) return LaunchMlaSm90(p, plan, stream);
+  if (IsSm90Mla(plan.variant)) return LaunchMlaSm90(p, plan, stream, plan.variant);
 #endif
   return LaunchMla(p, plan, stream);
 }
@@ -84,8 +86,9 @@ cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling) {
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
   ATTN_CUDA_RETURN_IF_ERROR(ResolveMlaVariant(&tiling->variant));
 #ifdef ATTN_HAVE_SM90
-  if (tiling->variant == kMlaSm90) return MlaSm90Tiling(decode, tiling);
+  if (IsSm90Mla(tiling->variant)) return MlaSm90Tiling(tiling->variant, decode, tiling);
 #endif
+  if (tiling->variant != kMlaPortable) return cudaErrorInvalidValue;
   return MlaTiling(num_heads, decode, tiling);
 }
 

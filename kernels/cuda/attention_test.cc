@@ -6,8 +6,10 @@
 // over the prefix of its sequence it can see, which is the same attention for that row.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -138,9 +140,17 @@ std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidate
       candidates, [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, false, t); });
 }
 
-// The MLA kernels every run checks: the portable one and the sm_90a one where it runs.
+// The MLA kernels every run checks: the portable one and the sm_90a ones where they run, or
+// those ATTN_TEST_MLA_VARIANTS lists ("0,10": to bisect a failing variant on the GPU).
 std::vector<int> MlaVariants() {
-  return AcceptedVariants({cuda::kMlaPortable, cuda::kMlaSm90},
+  std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90, cuda::kMlaSm90Deep,
+                                 cuda::kMlaSm90Pair};
+  if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
+    candidates.clear();
+    std::stringstream in(list);
+    for (std::string v; std::getline(in, v, ',');) candidates.push_back(std::stoi(v));
+  }
+  return AcceptedVariants(candidates,
                           [](cuda::KernelTiling* t) { return cuda::GetMlaTiling(16, false, t); });
 }
 

@@ -18,9 +18,10 @@ cudaError_t LaunchGqaPrefillSm90(const GqaParams& p, const DevicePlan& plan, cud
                                  int variant);
 cudaError_t GqaPrefillSm90Tiling(int head_dim, int variant, KernelTiling* tiling);
 
-// The MLA kernel (kMlaSm90): *available when the current device runs it.
+// The MLA kernels (kMlaSm90*): *available when the current device runs them.
 cudaError_t MlaSm90Available(bool* available);
-cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream);
-cudaError_t MlaSm90Tiling(bool decode, KernelTiling* tiling);
+cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream,
+                          int variant);
+cudaError_t MlaSm90Tiling(int variant, bool decode, KernelTiling* tiling);
 
 }  // namespace attn::cuda

@@ -2,22 +2,26 @@
 // fed by a producer warpgroup.
 //
 // One CTA = one work item (kernels/cuda/plan.h): kBlockM = 64 packed rows (query token x head)
-// against keys [kv_begin, kv_end) of one sequence, in tiles of kBlockN = 64 keys. Every head
-// attends to the same 576-wide cache rows, so one K tile serves all 64 rows, and its first 512
-// columns are the V tile as well. Three warpgroups:
+// against keys [kv_begin, kv_end) of one sequence, in tiles of kBlockN keys. Every head attends
+// to the same 576-wide cache rows, so one key tile serves all 64 rows, and its first 512 columns
+// are the V tile as well. Three warpgroups:
 //   - the producer (warpgroup 0) copies the Q tile (q_nope | q_pe, 64 x 576) once and each key
-//     tile from its pages with cp.async into a two-stage ring of swizzled tiles, completing on
-//     mbarriers (page size 1 puts every row on its own page: no TMA box would span them). Eight
-//     lanes copy one 128-byte column block of a row, so every lane keeps its swizzle phase and
-//     needs only the offsets of its 4 rows, looked up a tile ahead.
-//   - the score warpgroup (1) computes S = Q K^T (64 x 64 over 576, both operands in shared
-//     memory), the online softmax, hands P and the rows' rescale factors to warpgroup 2 through
-//     shared memory and accumulates O[:, 0:256] += P V[:, 0:256] with P in registers.
+//     tile from its pages with cp.async into a ring of swizzled tiles, completing on one mbarrier
+//     per 64-column block (page size 1 puts every row on its own page: no TMA box would span
+//     them). Eight lanes copy one 128-byte column block of a row, so every lane keeps its swizzle
+//     phase and needs only the offsets of its rows, looked up a tile ahead.
+//   - the score warpgroup (1) computes S = Q K^T (64 x kBlockN over 576, both operands in shared
+//     memory, each column block as soon as it lands), the online softmax, hands P and the rows'
+//     rescale factors to warpgroup 2 through shared memory and accumulates O[:, 0:256] += P
+//     V[:, 0:256] with P in registers.
 //   - the second warpgroup (2) rescales O[:, 256:512] by the score warpgroup's factors and
 //     accumulates P V[:, 256:512] with P from shared memory.
-//   Each 64 x 256 float accumulator takes 128 registers per lane; S of tile t + 1 is issued
-//   before P V of tile t, and its softmax runs while both P V GEMMs are in flight, so the tensor
-//   cores always have a GEMM queued.
+//   Each 64 x 256 float accumulator takes 128 registers per lane. P V of tile t is issued before
+//   S of tile t + 1, so tile t's stage is refilled while S of tile t + 1 and its softmax run.
+// Paired variant (kPair): two CTAs of a cluster that serve the same keys of one sequence (the two
+// 64-row halves of a 128-head decode) each copy half of every key tile from global memory and
+// hand it to the other through distributed shared memory (one bulk copy per column block), so
+// the tile crosses from L2 once instead of twice. A pair whose items differ runs unpaired.
 // Rows past kv_end in a tile copy the range's last key again (real, finite data the mask hides;
 // never the slot itself, which may hold NaN). Causal block skipping is the planner's; masking
 // runs only on tiles that cross a row's limit. Split-KV items write float32 partials through the
@@ -40,21 +44,17 @@ namespace sm90 {
 namespace {
 
 constexpr int kBlockM = 64;  // packed rows per CTA
-constexpr int kBlockN = 64;  // keys per tile
 constexpr int kThreads = 384;
-constexpr int kStages = 2;
-constexpr int kHalfCols = kMlaCkvDim / 2;                // output columns per consumer warpgroup
-constexpr int kDTiles = kHalfCols / 8;                   // 32 accumulator fragments of 8 columns
-constexpr int kNTiles = kBlockN / 8;                     // 8 score fragments
-constexpr int kKSteps = kMlaTokenDim / 16;               // 36 k-steps of S
-constexpr int kPSteps = kBlockN / 16;                    // 4 k-steps of P V
-constexpr int kColumnBlocks = kMlaTokenDim / 64;         // 9 swizzled 128-byte column blocks
-constexpr int kBlockBytes = kBlockN * 128;               // one column block of a 64-row tile
-constexpr int kTileBytes = kColumnBlocks * kBlockBytes;  // 72 KiB: Q, or one key tile
-constexpr int kPBytes = kBlockM * kBlockN * 2;           // P, bf16, one column block
-static_assert(kBlockM == kBlockN, "Q and key tiles share one layout");
-constexpr int kRowsPerPass = 128 / 8;  // 8 producer lanes per row
-constexpr int kRowPasses = kBlockN / kRowsPerPass;
+constexpr int kHalfCols = kMlaCkvDim / 2;              // output columns per consumer warpgroup
+constexpr int kDTiles = kHalfCols / 8;                 // 32 accumulator fragments of 8 columns
+constexpr int kKSteps = kMlaTokenDim / 16;             // 36 k-steps of S
+constexpr int kColumnBlocks = kMlaTokenDim / 64;       // 9 swizzled 128-byte column blocks
+constexpr int kQBlockBytes = kBlockM * 128;            // one column block of Q
+constexpr int kQBytes = kColumnBlocks * kQBlockBytes;  // 72 KiB
+constexpr int kPBytes = kBlockM * 64 * 2;              // P, bf16, one column block (up to 64 keys)
+constexpr int kRowsPerPass = 128 / 8;                  // 8 producer lanes per row
+constexpr int kQPasses = kBlockM / kRowsPerPass;
+constexpr int kRowFloats = 3 * kBlockM;  // per row: rescale factor, final max, final sum
 
 // Registers per lane at launch (the most __launch_bounds__(kThreads, 1) leaves), which setmaxnreg
 // redistributes: 128 x (56 + 240 + 208) = 384 x 168.
@@ -70,36 +70,54 @@ constexpr int kPFullBarrier = 1;   // P and the rescale factors of a tile are in
 constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
 
-constexpr int kRowFloats = 3 * kBlockM;  // per row: rescale factor, final max, final sum
-// Q's, one per column block of each stage (S starts on a tile's first block while the others
-// are in flight), and each stage's release.
-constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages;
-// 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
-constexpr int kSmemBytes =
-    1024 + (1 + kStages) * kTileBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers;
-static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+// One kernel instance: the key tile, the ring's depth and whether cluster pairs share tiles.
+template <int kBlockN_, int kStages_, bool kPair_>
+struct Traits {
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kPair = kPair_;
+  static constexpr int kNTiles = kBlockN / 8;        // score fragments
+  static constexpr int kPSteps = kBlockN / 16;       // k-steps of P V
+  static constexpr int kBlockBytes = kBlockN * 128;  // one column block of a key tile
+  static constexpr int kTileBytes = kColumnBlocks * kBlockBytes;
+  static constexpr int kKvPasses = kBlockN / kRowsPerPass;
+  static_assert(!kPair || kKvPasses % 2 == 0, "a pair splits each tile's rows in halves");
+  // Q's; per stage and column block, the producer's own copies and (paired) the peer's half;
+  // each stage's release.
+  static constexpr int kBarriers = 1 + 2 * kStages * kColumnBlocks + kStages;
+  // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
+  static constexpr int kSmemBytes =
+      1024 + kQBytes + kStages * kTileBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+};
 
 // Shared-memory map: Q, the key stages, P, the row floats, then the mbarriers. Addresses for the
 // PTX instructions (32-bit shared window) and a generic pointer for ordinary loads and stores.
+template <typename T>
 struct Smem {
   uint32_t base;       // 1024-byte aligned
   unsigned char* ptr;  // the same byte, generic
 
   __device__ uint32_t Q() const { return base; }
-  __device__ uint32_t Kv(int stage) const { return base + (1 + stage) * kTileBytes; }
-  __device__ uint32_t P() const { return base + (1 + kStages) * kTileBytes; }
-  __device__ unsigned char* PPtr() const { return ptr + (1 + kStages) * kTileBytes; }
+  __device__ uint32_t Kv(int stage) const { return base + kQBytes + stage * T::kTileBytes; }
+  __device__ uint32_t P() const { return base + kQBytes + T::kStages * T::kTileBytes; }
+  __device__ unsigned char* PPtr() const { return ptr + (P() - base); }
   __device__ float* Rows() const { return reinterpret_cast<float*>(PPtr() + kPBytes); }
   __device__ float* Alpha() const { return Rows(); }
   __device__ float* FinalMax() const { return Rows() + kBlockM; }
   __device__ float* FinalSum() const { return Rows() + 2 * kBlockM; }
   __device__ uint32_t Barrier(int i) const { return P() + kPBytes + kRowFloats * 4 + 8 * i; }
   __device__ uint32_t QFull() const { return Barrier(0); }
+  // The producer's own copies of column block cb of a stage.
   __device__ uint32_t KvFull(int stage, int cb) const {
     return Barrier(1 + stage * kColumnBlocks + cb);
   }
+  // The peer's half of it (paired).
+  __device__ uint32_t PeerFull(int stage, int cb) const {
+    return Barrier(1 + (T::kStages + stage) * kColumnBlocks + cb);
+  }
   __device__ uint32_t KvEmpty(int stage) const {
-    return Barrier(1 + kStages * kColumnBlocks + stage);
+    return Barrier(1 + 2 * T::kStages * kColumnBlocks + stage);
   }
 };
 
@@ -107,18 +125,24 @@ struct Work {
   WorkItem item;
   SeqExtent seq;
   int num_rows;   // packed rows of the sequence
-  int num_tiles;  // key tiles of the item
+  int num_tiles;  // key tiles the CTA runs (a pair's: the longer item's)
+  int kv_end;     // the keys the tiles cover end here (a pair's: the longer item's)
+  bool paired;    // the cluster's two CTAs share every tile
+  uint32_t rank;  // this CTA's rank in its cluster (paired)
 };
 
 // Warpgroup 0: all copies into shared memory.
-__device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const Smem& s, int tid) {
+template <typename T>
+__device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const Smem<T>& s,
+                                        int tid) {
+  constexpr int kBlockN = T::kBlockN;
   const int chunk = tid % 8;  // this lane's 16 bytes of each 128-byte column block
   const int row0 = tid / 8;   // its rows: row0 + 16 i, all with the same swizzle phase
   const uint32_t lane_offset = row0 * 128 + ((chunk ^ (row0 & 7)) << 4);
   const int heads = p.num_heads;
 
 #pragma unroll
-  for (int i = 0; i < kRowPasses; ++i) {
+  for (int i = 0; i < kQPasses; ++i) {
     const int packed = w.item.row_begin + row0 + i * kRowsPerPass;
     const bool valid = packed < w.num_rows;  // tile padding is zero-filled
     const int64_t qrow = (int64_t{w.seq.q_begin} + packed / heads) * heads + packed % heads;
@@ -127,56 +151,92 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
 #pragma unroll
     for (int cb = 0; cb < kColumnBlocks; ++cb) {
       const bf16* src = cb < kColumnBlocks - 1 ? nope + cb * 64 : pe;
-      CopyAsync16(s.Q() + cb * kBlockBytes + i * kRowsPerPass * 128 + lane_offset,
+      CopyAsync16(s.Q() + cb * kQBlockBytes + i * kRowsPerPass * 128 + lane_offset,
                   valid ? src : p.q_nope, valid);
     }
   }
   BarrierArriveOnCopies(s.QFull());
 
+  // The row passes this CTA copies: all, or (paired) its half of the tile's rows.
+  constexpr int kHalf = T::kKvPasses / 2;
+  auto mine = [&](int i) { return !w.paired || (i >= kHalf) == (w.rank == 1); };
   const PagedRows rows = MlaRows(p.cache, p.batch, w.seq);
-  auto lookup = [&](int t, int64_t(&offset)[kRowPasses]) {
+  auto lookup = [&](int t, int64_t(&offset)[T::kKvPasses]) {
 #pragma unroll
-    for (int i = 0; i < kRowPasses; ++i) {
+    for (int i = 0; i < T::kKvPasses; ++i) {
       const int key = w.item.kv_begin + t * kBlockN + row0 + i * kRowsPerPass;
-      offset[i] = t < w.num_tiles ? rows.Offset(min(key, w.item.kv_end - 1)) : 0;
+      offset[i] = t < w.num_tiles && mine(i) ? rows.Offset(min(key, w.kv_end - 1)) : 0;
     }
   };
-  int64_t offset[kRowPasses];
+  int64_t offset[T::kKvPasses];
   lookup(0, offset);
   for (int t = 0; t < w.num_tiles; ++t) {
-    const int stage = t % kStages;
-    int64_t next[kRowPasses];
+    const int stage = t % T::kStages;
+    const uint32_t parity = (t / T::kStages) & 1;
+    int64_t next[T::kKvPasses];
     lookup(t + 1, next);  // the page-table reads fly while this tile is issued
-    BarrierWait(s.KvEmpty(stage), ((t / kStages) & 1) ^ 1);
+    if (w.paired) {
+      BarrierWaitCluster(s.KvEmpty(stage), parity ^ 1);  // both CTAs released the stage
+      if (tid == 0) {
+#pragma unroll
+        for (int cb = 0; cb < kColumnBlocks; ++cb) {
+          BarrierArriveExpectTx(s.PeerFull(stage, cb), T::kBlockBytes / 2);
+        }
+      }
+    } else {
+      BarrierWait(s.KvEmpty(stage), parity ^ 1);
+    }
     const uint32_t dst = s.Kv(stage) + lane_offset;
 #pragma unroll
     for (int cb = 0; cb < kColumnBlocks; ++cb) {
 #pragma unroll
-      for (int i = 0; i < kRowPasses; ++i) {
-        CopyAsync16(dst + cb * kBlockBytes + i * kRowsPerPass * 128,
-                    rows.base + offset[i] + chunk * 8 + cb * 64);
+      for (int i = 0; i < T::kKvPasses; ++i) {
+        if (mine(i)) {
+          CopyAsync16(dst + cb * T::kBlockBytes + i * kRowsPerPass * 128,
+                      rows.base + offset[i] + chunk * 8 + cb * 64);
+        }
       }
       BarrierArriveOnCopies(s.KvFull(stage, cb));  // block cb, in the order S reads them
     }
+    if (w.paired && tid == 0) {
+      // This CTA's half of each block, once it has landed, to the same place in the peer.
+      const uint32_t half = T::kBlockBytes / 2;
+#pragma unroll 1
+      for (int cb = 0; cb < kColumnBlocks; ++cb) {
+        BarrierWait(s.KvFull(stage, cb), parity);
+        FenceProxyAsync();  // the cp.async data, seen through the barrier, before the bulk copy
+        const uint32_t block = s.Kv(stage) + cb * T::kBlockBytes + w.rank * half;
+        BulkCopyToPeer(block, block, half, s.PeerFull(stage, cb), w.rank ^ 1);
+      }
+    }
 #pragma unroll
-    for (int i = 0; i < kRowPasses; ++i) offset[i] = next[i];
+    for (int i = 0; i < T::kKvPasses; ++i) offset[i] = next[i];
   }
   WaitAllCopies();
 }
 
 // What both consumers do with a key stage: wait for column block cb of tile t.
-__device__ __forceinline__ void WaitFull(const Smem& s, int t, int cb) {
-  BarrierWait(s.KvFull(t % kStages, cb), (t / kStages) & 1);
+template <typename T>
+__device__ __forceinline__ void WaitFull(const Smem<T>& s, const Work& w, int t, int cb) {
+  const int stage = t % T::kStages;
+  const uint32_t parity = (t / T::kStages) & 1;
+  BarrierWait(s.KvFull(stage, cb), parity);
+  if (T::kPair && w.paired) BarrierWait(s.PeerFull(stage, cb), parity);
   FenceProxyAsync();  // the cp.async data, seen through the barrier, before wgmma reads it
 }
 
-__device__ __forceinline__ void Release(const Smem& s, int t, int lane) {
-  if (lane == 0) BarrierArrive(s.KvEmpty(t % kStages));  // one arrival per consumer warp
+template <typename T>
+__device__ __forceinline__ void Release(const Smem<T>& s, const Work& w, int t, int lane) {
+  if (lane == 0) {  // one arrival per consumer warp, on both CTAs' barriers when paired
+    BarrierArrive(s.KvEmpty(t % T::kStages));
+    if (T::kPair && w.paired) BarrierArriveRemote(s.KvEmpty(t % T::kStages), w.rank ^ 1);
+  }
 }
 
 // O[:, col0 : col0 + 256] B operand of k-step ks: keys [16 ks, 16 ks + 16) of a stage.
-__device__ __forceinline__ uint64_t ValueDescriptor(const Smem& s, int stage, int col0, int ks) {
-  return MnMajorDescriptor(s.Kv(stage) + (col0 / 64) * kBlockBytes + ks * 2048, kBlockBytes);
+template <typename T>
+__device__ __forceinline__ uint64_t ValueDescriptor(const Smem<T>& s, int stage, int col0, int ks) {
+  return MnMajorDescriptor(s.Kv(stage) + (col0 / 64) * T::kBlockBytes + ks * 2048, T::kBlockBytes);
 }
 
 // x, which the compiler cannot see through (so it cannot hoist what is computed from it).
@@ -186,8 +246,10 @@ __device__ __forceinline__ uint64_t Opaque(uint64_t x) {
 }
 
 // Warpgroup 1: scores, softmax, P for both consumers, and output columns [0, 256).
-__device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w, const Smem& s,
+template <typename T>
+__device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w, const Smem<T>& s,
                                               int ctid, const RowSink& sink) {
+  constexpr int kBlockN = T::kBlockN;
   const int warp = ctid / 32, lane = ctid % 32;
   const int row_g = 16 * warp + lane / 4;  // this lane's rows: row_g and row_g + 8
   auto limit = [&](int r) {
@@ -198,25 +260,26 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   const float scale_log2 = p.sm_scale * kLog2e;
 
   float o[kDTiles][4] = {};
-  float acc[kNTiles][4];
-  uint32_t pf[kPSteps][4];
+  float acc[T::kNTiles][4];
+  uint32_t pf[T::kPSteps][4];
   float alpha[2];
-  OnlineSoftmax<kNTiles> softmax;
+  OnlineSoftmax<T::kNTiles> softmax;
 
-  // S = Q K^T: k-step ks reads column block ks / 4 of Q and of the key tile.
-  // The k-steps' descriptors are the tile's first plus the step's offset (>> 4, the start address
-  // field's unit). Q's are the same every tile: hoisted out of the loop, all 36 of them would
-  // stay live (and spill), so the base is laundered through an opaque move each tile.
+  // S = Q K^T: k-step ks reads column block ks / 4 of Q and of the key tile, each waited for
+  // just before its k-steps are issued. The k-steps' descriptors are the tile's first plus the
+  // step's offset (>> 4, the start address field's unit). Q's are the same every tile: hoisted
+  // out of the loop, all 36 of them would stay live (and spill), so the base is laundered
+  // through an opaque move each tile.
   const uint64_t q_desc0 = KMajorDescriptor(s.Q());
-  // Each column block is waited for just before its k-steps are issued.
   auto issue_qk = [&](int t) {
     const uint64_t q_desc = Opaque(q_desc0);
-    const uint64_t k_desc = KMajorDescriptor(s.Kv(t % kStages));
+    const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      if (ks % 4 == 0) WaitFull(s, t, ks / 4);
-      const uint32_t step = ((ks / 4) * kBlockBytes + (ks % 4) * 32) >> 4;
-      Wgmma<kBlockN>::SS(acc, q_desc + step, k_desc + step, ks > 0 ? 1u : 0u);
+      if (ks % 4 == 0) WaitFull(s, w, t, ks / 4);
+      const uint32_t in_block = (ks % 4) * 32;
+      Wgmma<kBlockN>::SS(acc, q_desc + (((ks / 4) * kQBlockBytes + in_block) >> 4),
+                         k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4), ks > 0 ? 1u : 0u);
     }
   };
   auto softmax_tile = [&](int t) {
@@ -231,7 +294,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     for (int x = 0; x < 2; ++x) {
       const int r = row_g + 8 * x;
 #pragma unroll
-      for (int ks = 0; ks < kPSteps; ++ks) {
+      for (int ks = 0; ks < T::kPSteps; ++ks) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c = 2 * ks + h;  // 8-key chunk
@@ -254,11 +317,11 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     softmax_tile(0);  // O is still 0: its factor changes nothing
     ScoresToA(acc, pf);
     // One key tile: P V of tile t, then (kMore) S of tile t + 1, whose softmax runs once P V is
-    // done. P V goes first so that tile t's stage is released (and refilled with tile t + 2)
-    // before S of tile t + 1 runs: issued the other way round, both stages would be in use until
-    // tile t + 1's S had to wait for tile t + 2's copies. The last tile is peeled off so that no
-    // GEMM is issued conditionally: ptxas serializes every wgmma of a kernel whose in-flight
-    // groups it cannot count.
+    // done. P V goes first so that tile t's stage is released (and refilled) before S of tile
+    // t + 1 runs: issued the other way round, both stages would be in use until tile t + 1's S
+    // had to wait for tile t + 2's copies. The last tile is peeled off so that no GEMM is issued
+    // conditionally: ptxas serializes every wgmma of a kernel whose in-flight groups it cannot
+    // count.
     auto step = [&](int t, auto more) {
       constexpr bool kMore = decltype(more)::value;
       RescaleAccumulator(o, alpha);
@@ -267,8 +330,8 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       NamedBarrierArrive(kPFullBarrier, 256);
       WgmmaFence();
 #pragma unroll
-      for (int ks = 0; ks < kPSteps; ++ks) {
-        Wgmma<kHalfCols>::RSTransB(o, pf[ks], ValueDescriptor(s, t % kStages, 0, ks));
+      for (int ks = 0; ks < T::kPSteps; ++ks) {
+        Wgmma<kHalfCols>::RSTransB(o, pf[ks], ValueDescriptor(s, t % T::kStages, 0, ks));
       }
       WgmmaCommit();
       if constexpr (kMore) {
@@ -280,7 +343,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       }
       PinRegisters(o);
       PinRegisters(pf);  // the GEMM read pf until here
-      Release(s, t, lane);
+      Release(s, w, t, lane);
       if constexpr (kMore) {
         WgmmaWait<0>();
         PinRegisters(acc);
@@ -307,7 +370,8 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
 }
 
 // Warpgroup 2: output columns [256, 512) from the score warpgroup's P and factors.
-__device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w, const Smem& s,
+template <typename T>
+__device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w, const Smem<T>& s,
                                               int ctid, const RowSink& sink) {
   const int warp = ctid / 32, lane = ctid % 32;
   const int row_g = 16 * warp + lane / 4;
@@ -318,20 +382,20 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
     for (int t = 0; t < w.num_tiles; ++t) {
       // Its V half's blocks (done long since: S read them), each seen through its barrier.
 #pragma unroll
-      for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, t, cb);
+      for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, w, t, cb);
       NamedBarrierSync(kPFullBarrier, 256);
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
       RescaleAccumulator(o, alpha);
       WgmmaFence();
 #pragma unroll
-      for (int ks = 0; ks < kPSteps; ++ks) {
+      for (int ks = 0; ks < T::kPSteps; ++ks) {
         Wgmma<kHalfCols>::SSTransB(o, KMajorDescriptor(s.P() + ks * 32),
-                                   ValueDescriptor(s, t % kStages, kHalfCols, ks));
+                                   ValueDescriptor(s, t % T::kStages, kHalfCols, ks));
       }
       WgmmaCommit();
       WgmmaWait<0>();
       PinRegisters(o);
-      Release(s, t, lane);
+      Release(s, w, t, lane);
       // The last tile's P is not refilled: the arrivals match the score warpgroup's waits.
       if (t + 1 < w.num_tiles) NamedBarrierArrive(kPEmptyBarrier, 256);
     }
@@ -344,37 +408,131 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kHalfCols, lane, false);
 }
 
+template <typename T>
+__device__ __forceinline__ int NumTiles(int kv_begin, int kv_end) {
+  return max(0, (kv_end - kv_begin + T::kBlockN - 1) / T::kBlockN);
+}
+
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+    MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, int num_items,
+                  RowSink sink) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t raw = SharedAddress(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const Smem s{base, smem + (base - raw)};
+  const Smem<T> s{base, smem + (base - raw)};
 
+  // A paired launch rounds its grid up to whole clusters: a CTA past the last item has no rows
+  // and no keys, and only takes part in the cluster's barriers.
+  const int index = static_cast<int>(blockIdx.x);
   Work w;
-  w.item = items[blockIdx.x];
+  w.item = index < num_items ? items[index] : WorkItem{0, 0, 0, 0, -1};
   w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
-  w.num_rows = w.seq.q_len * p.num_heads;
-  w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + kBlockN - 1) / kBlockN);
+  w.num_rows = index < num_items ? w.seq.q_len * p.num_heads : 0;
+  w.kv_end = w.item.kv_end;
+  w.paired = false;
+  w.rank = 0;
+  if constexpr (T::kPair) {
+    // Both CTAs of the cluster read both items and so agree on whether they share the tiles:
+    // same sequence and first key (the shorter item's extra keys are masked for its rows).
+    w.rank = ClusterRank();
+    const int pair = index & ~1;
+    if (pair + 1 < num_items) {
+      const WorkItem a = items[pair], b = items[pair + 1];
+      w.paired = a.seq == b.seq && a.kv_begin == b.kv_begin && a.kv_end > a.kv_begin &&
+                 b.kv_end > b.kv_begin;
+      if (w.paired) w.kv_end = max(a.kv_end, b.kv_end);
+    }
+  }
+  w.num_tiles = index < num_items ? NumTiles<T>(w.item.kv_begin, w.kv_end) : 0;
+
   const int tid = threadIdx.x;
   if (tid == 0) {
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
-    for (int i = 0; i < kStages; ++i) {
-      for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
-      BarrierInit(s.KvEmpty(i), 8);  // one arrival per consumer warp
+    for (int i = 0; i < T::kStages; ++i) {
+      for (int cb = 0; cb < kColumnBlocks; ++cb) {
+        BarrierInit(s.KvFull(i, cb), 128);
+        BarrierInit(s.PeerFull(i, cb), 1);  // the producer's expect_tx; the peer's bytes
+      }
+      BarrierInit(s.KvEmpty(i), w.paired ? 16 : 8);  // one arrival per consumer warp (of both)
     }
   }
-  __syncthreads();
+  if constexpr (T::kPair) {
+    ClusterSync();  // the peer's barriers are initialized before anything arrives on them
+  } else {
+    __syncthreads();
+  }
 
   if (tid < 128) {
     ReleaseRegisters<kProducerRegisters>();
-    Produce(p, w, s, tid);
+    Produce<T>(p, w, s, tid);
   } else if (tid < 256) {
     ClaimRegisters<kScoreRegisters>();
-    ConsumeScores(p, w, s, tid - 128, sink);
+    ConsumeScores<T>(p, w, s, tid - 128, sink);
   } else {
     ClaimRegisters<kSecondRegisters>();
-    ConsumeSecond(p, w, s, tid - 256, sink);
+    ConsumeSecond<T>(p, w, s, tid - 256, sink);
+  }
+  // Neither CTA of a pair leaves while the other may still copy into or arrive on its shared
+  // memory.
+  if constexpr (T::kPair) ClusterSync();
+}
+
+template <typename T>
+struct Config {
+  static constexpr auto kKernel = MlaSm90Kernel<T>;
+
+  static cudaError_t Launch(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+    ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
+    const RowSink sink = RowSink::ForMla(p, plan);
+    if constexpr (T::kPair) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3((plan.num_items + 1) / 2 * 2);
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = T::kSmemBytes;
+      config.stream = stream;
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 2;
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      ATTN_CUDA_RETURN_IF_ERROR(
+          cudaLaunchKernelEx(&config, kKernel, p, plan.items, plan.num_items, sink));
+    } else {
+      kKernel<<<plan.num_items, kThreads, T::kSmemBytes, stream>>>(p, plan.items, plan.num_items,
+                                                                   sink);
+    }
+    ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
+    return cudaSuccess;
+  }
+
+  static cudaError_t Tiling(bool decode, KernelTiling* tiling) {
+    // The register split assumes the compiler gave the kernel the whole launch bound.
+    cudaFuncAttributes attributes;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kKernel));
+    if (attributes.numRegs * kThreads < kPoolRegisters) return cudaErrorNotSupported;
+    // As the portable kernel: a chunk's 64 x 512 float partials cost little next to 1024 keys.
+    tiling->min_chunk_len = 1024;
+    // One CTA per SM, each streaming a whole sequence: a decode of 128 heads x 128 sequences is
+    // 256 CTAs, two full waves, which splitting would only cut into more waves plus a merge.
+    if (decode) tiling->waves_before_split = 1.0;
+    return DescribeKernel(kKernel, kThreads, T::kSmemBytes, kBlockM, T::kBlockN, tiling);
+  }
+};
+
+template <typename Fn>
+cudaError_t WithConfig(int variant, Fn&& fn) {
+  switch (variant) {
+    case kMlaSm90:
+      return fn(Config<Traits<64, 2, false>>());
+    case kMlaSm90Deep:
+      return fn(Config<Traits<32, 4, false>>());
+    case kMlaSm90Pair:
+      return fn(Config<Traits<64, 2, true>>());
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
@@ -392,28 +550,13 @@ cudaError_t MlaSm90Available(bool* available) {
   return cudaSuccess;
 }
 
-cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-  constexpr auto kKernel = sm90::MlaSm90Kernel;
-  ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, sm90::kSmemBytes));
-  const RowSink sink = RowSink::ForMla(p, plan);
-  kKernel<<<plan.num_items, sm90::kThreads, sm90::kSmemBytes, stream>>>(p, plan.items, sink);
-  ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
-  return cudaSuccess;
+cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream,
+                          int variant) {
+  return sm90::WithConfig(variant, [&](auto config) { return config.Launch(p, plan, stream); });
 }
 
-cudaError_t MlaSm90Tiling(bool decode, KernelTiling* tiling) {
-  constexpr auto kKernel = sm90::MlaSm90Kernel;
-  // The register split assumes the compiler gave the kernel the whole launch bound.
-  cudaFuncAttributes attributes;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kKernel));
-  if (attributes.numRegs * sm90::kThreads < sm90::kPoolRegisters) return cudaErrorNotSupported;
-  // As the portable kernel: a chunk's 64 x 512 float partials cost little next to 1024 keys.
-  tiling->min_chunk_len = 1024;
-  // One CTA per SM, each streaming a whole sequence: a decode of 128 heads x 128 sequences is 256
-  // CTAs, two full waves, which splitting would only cut into more waves plus a merge.
-  if (decode) tiling->waves_before_split = 1.0;
-  return DescribeKernel(kKernel, sm90::kThreads, sm90::kSmemBytes, sm90::kBlockM, sm90::kBlockN,
-                        tiling);
+cudaError_t MlaSm90Tiling(int variant, bool decode, KernelTiling* tiling) {
+  return sm90::WithConfig(variant, [&](auto config) { return config.Tiling(decode, tiling); });
 }
 
 }  // namespace attn::cuda
