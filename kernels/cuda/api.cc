@@ -54,7 +54,7 @@ bool IsSm90Mla(int variant) { return variant >= kMlaSm90; }
 cudaError_t ResolveMlaVariant(int* variant) {
   bool sm90 = false;
 #ifdef ATTN_HAVE_SM90
-  if (*variant < 0 || IsSm90Mla(*variant)) ATTN_CUDA_RETURN_IF_ERROR(MlaSm90Available(&sm90));
+  if (*variant < 0 || IsSm90Mla(*variant)) ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(&sm90));
 #endif
   if (IsSm90Mla(*variant) && !sm90) return cudaErrorNotSupported;
   if (*variant < 0) *variant = sm90 ? kMlaSm90 : kMlaPortable;

@@ -44,11 +44,8 @@ inline constexpr int kGqaPrefillSm90LeanOverlap = 13;
 // capability 9.0), of which the default (-1) selects one where they run
 // (kernels/cuda/sm90/mla_sm90.cu).
 inline constexpr int kMlaPortable = 0;
-inline constexpr int kMlaSm90 = 10;      // 64-key tiles, two stages
-inline constexpr int kMlaSm90Deep = 11;  // 32-key tiles, four stages
-// 64-key tiles, two stages, and the CTAs of a cluster pair that read the same keys (the two
-// 64-head halves of a 128-head decode) copy each half of a tile once for both.
-inline constexpr int kMlaSm90Pair = 12;
+inline constexpr int kMlaSm90 = 10;        // 64-key tiles, two stages
+inline constexpr int kMlaSm90SplitS = 11;  // the same, S in two chains of k-steps
 
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {

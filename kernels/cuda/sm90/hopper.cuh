@@ -46,69 +46,6 @@ __device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-// The same wait with cluster-scope acquire: for a barrier other CTAs of the cluster arrive on
-// (BarrierArriveRemote), so that what they did before arriving is seen here.
-__device__ __forceinline__ void BarrierWaitCluster(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-// One arrival that also expects `bytes` more of asynchronous copies (complete_tx) in the phase.
-__device__ __forceinline__ void BarrierArriveExpectTx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// ---- thread block clusters.
-
-// The address in the shared memory of cluster CTA `rank` of what is at `local` in this CTA's.
-__device__ __forceinline__ uint32_t PeerAddress(uint32_t local, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
-  return remote;
-}
-
-// One arrival, with cluster-scope release, on the barrier at `local` in cluster CTA `rank`.
-__device__ __forceinline__ void BarrierArriveRemote(uint32_t local, uint32_t rank) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(
-                   PeerAddress(local, rank))
-               : "memory");
-}
-
-// Copies `bytes` (a multiple of 16) of this CTA's shared memory at `src` to the same offset
-// `dst` in cluster CTA `rank`, completing there (complete_tx) on its barrier at `bar`.
-__device__ __forceinline__ void BulkCopyToPeer(uint32_t dst, uint32_t src, uint32_t bytes,
-                                               uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-      "[%3];\n" ::"r"(PeerAddress(dst, rank)),
-      "r"(src), "r"(bytes), "r"(PeerAddress(bar, rank))
-      : "memory");
-}
-
-// Every thread of every CTA of the cluster (and so of this CTA) reaches this point.
-__device__ __forceinline__ void ClusterSync() {
-  asm volatile(
-      "barrier.cluster.arrive.release.aligned;\n"
-      "barrier.cluster.wait.acquire.aligned;\n" ::
-          : "memory");
-}
-
-// This CTA's rank in its cluster.
-__device__ __forceinline__ uint32_t ClusterRank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return rank;
-}
-
 // ---- copies and fences.
 
 // 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read).

@@ -18,10 +18,11 @@
 //     accumulates P V[:, 256:512] with P from shared memory.
 //   Each 64 x 256 float accumulator takes 128 registers per lane. P V of tile t is issued before
 //   S of tile t + 1, so tile t's stage is refilled while S of tile t + 1 and its softmax run.
-// Paired variant (kPair): two CTAs of a cluster that serve the same keys of one sequence (the two
-// 64-row halves of a 128-head decode) each copy half of every key tile from global memory and
-// hand it to the other through distributed shared memory (one bulk copy per column block), so
-// the tile crosses from L2 once instead of twice. A pair whose items differ runs unpaired.
+// Split variant (kSplitS): S accumulates even and odd k-steps into two accumulators, two
+// independent chains of 18 wgmmas instead of one of 36, added once the GEMM is done.
+// Measured and dropped (bench/RESULTS.md): 32-key tiles in four stages (deeper prefetch, but the
+// narrower S reads Q twice as often), and cluster pairs that copied each tile from L2 once for
+// both halves of a 128-head decode: both slower.
 // Rows past kv_end in a tile copy the range's last key again (real, finite data the mask hides;
 // never the slot itself, which may hold NaN). Causal block skipping is the planner's; masking
 // runs only on tiles that cross a row's limit. Split-KV items write float32 partials through the
@@ -70,21 +71,20 @@ constexpr int kPFullBarrier = 1;   // P and the rescale factors of a tile are in
 constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
 
-// One kernel instance: the key tile, the ring's depth and whether cluster pairs share tiles.
-template <int kBlockN_, int kStages_, bool kPair_>
+// One kernel instance: the key tile, the ring's depth and how S accumulates.
+template <int kBlockN_, int kStages_, bool kSplitS_>
 struct Traits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kPair = kPair_;
+  static constexpr bool kSplitS = kSplitS_;
   static constexpr int kNTiles = kBlockN / 8;        // score fragments
   static constexpr int kPSteps = kBlockN / 16;       // k-steps of P V
   static constexpr int kBlockBytes = kBlockN * 128;  // one column block of a key tile
   static constexpr int kTileBytes = kColumnBlocks * kBlockBytes;
   static constexpr int kKvPasses = kBlockN / kRowsPerPass;
-  static_assert(!kPair || kKvPasses % 2 == 0, "a pair splits each tile's rows in halves");
-  // Q's; per stage and column block, the producer's own copies and (paired) the peer's half;
-  // each stage's release.
-  static constexpr int kBarriers = 1 + 2 * kStages * kColumnBlocks + kStages;
+  // Q's, one per column block of each stage (S starts on a tile's first block while the others
+  // are in flight), and each stage's release.
+  static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
   static constexpr int kSmemBytes =
       1024 + kQBytes + kStages * kTileBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers;
@@ -108,16 +108,11 @@ struct Smem {
   __device__ float* FinalSum() const { return Rows() + 2 * kBlockM; }
   __device__ uint32_t Barrier(int i) const { return P() + kPBytes + kRowFloats * 4 + 8 * i; }
   __device__ uint32_t QFull() const { return Barrier(0); }
-  // The producer's own copies of column block cb of a stage.
   __device__ uint32_t KvFull(int stage, int cb) const {
     return Barrier(1 + stage * kColumnBlocks + cb);
   }
-  // The peer's half of it (paired).
-  __device__ uint32_t PeerFull(int stage, int cb) const {
-    return Barrier(1 + (T::kStages + stage) * kColumnBlocks + cb);
-  }
   __device__ uint32_t KvEmpty(int stage) const {
-    return Barrier(1 + 2 * T::kStages * kColumnBlocks + stage);
+    return Barrier(1 + T::kStages * kColumnBlocks + stage);
   }
 };
 
@@ -125,10 +120,7 @@ struct Work {
   WorkItem item;
   SeqExtent seq;
   int num_rows;   // packed rows of the sequence
-  int num_tiles;  // key tiles the CTA runs (a pair's: the longer item's)
-  int kv_end;     // the keys the tiles cover end here (a pair's: the longer item's)
-  bool paired;    // the cluster's two CTAs share every tile
-  uint32_t rank;  // this CTA's rank in its cluster (paired)
+  int num_tiles;  // key tiles of the item
 };
 
 // Warpgroup 0: all copies into shared memory.
@@ -157,58 +149,32 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   }
   BarrierArriveOnCopies(s.QFull());
 
-  // The row passes this CTA copies: all, or (paired) its half of the tile's rows.
-  constexpr int kHalf = T::kKvPasses / 2;
-  auto mine = [&](int i) { return !w.paired || (i >= kHalf) == (w.rank == 1); };
   const PagedRows rows = MlaRows(p.cache, p.batch, w.seq);
   auto lookup = [&](int t, int64_t(&offset)[T::kKvPasses]) {
 #pragma unroll
     for (int i = 0; i < T::kKvPasses; ++i) {
       const int key = w.item.kv_begin + t * kBlockN + row0 + i * kRowsPerPass;
-      offset[i] = t < w.num_tiles && mine(i) ? rows.Offset(min(key, w.kv_end - 1)) : 0;
+      offset[i] = t < w.num_tiles ? rows.Offset(min(key, w.item.kv_end - 1)) : 0;
     }
   };
   int64_t offset[T::kKvPasses];
   lookup(0, offset);
   for (int t = 0; t < w.num_tiles; ++t) {
     const int stage = t % T::kStages;
-    const uint32_t parity = (t / T::kStages) & 1;
     int64_t next[T::kKvPasses];
     lookup(t + 1, next);  // the page-table reads fly while this tile is issued
-    if (w.paired) {
-      BarrierWaitCluster(s.KvEmpty(stage), parity ^ 1);  // both CTAs released the stage
-      if (tid == 0) {
-#pragma unroll
-        for (int cb = 0; cb < kColumnBlocks; ++cb) {
-          BarrierArriveExpectTx(s.PeerFull(stage, cb), T::kBlockBytes / 2);
-        }
-      }
-    } else {
-      BarrierWait(s.KvEmpty(stage), parity ^ 1);
-    }
+    BarrierWait(s.KvEmpty(stage), ((t / T::kStages) & 1) ^ 1);
     const uint32_t dst = s.Kv(stage) + lane_offset;
 #pragma unroll
     for (int cb = 0; cb < kColumnBlocks; ++cb) {
 #pragma unroll
       for (int i = 0; i < T::kKvPasses; ++i) {
-        if (mine(i)) {
-          CopyAsync16(dst + cb * T::kBlockBytes + i * kRowsPerPass * 128,
-                      rows.base + offset[i] + chunk * 8 + cb * 64);
-        }
+        CopyAsync16(dst + cb * T::kBlockBytes + i * kRowsPerPass * 128,
+                    rows.base + offset[i] + chunk * 8 + cb * 64);
       }
       BarrierArriveOnCopies(s.KvFull(stage, cb));  // block cb, in the order S reads them
     }
-    if (w.paired && tid == 0) {
-      // This CTA's half of each block, once it has landed, to the same place in the peer.
-      const uint32_t half = T::kBlockBytes / 2;
-#pragma unroll 1
-      for (int cb = 0; cb < kColumnBlocks; ++cb) {
-        BarrierWait(s.KvFull(stage, cb), parity);
-        FenceProxyAsync();  // the cp.async data, seen through the barrier, before the bulk copy
-        const uint32_t block = s.Kv(stage) + cb * T::kBlockBytes + w.rank * half;
-        BulkCopyToPeer(block, block, half, s.PeerFull(stage, cb), w.rank ^ 1);
-      }
-    }
+
 #pragma unroll
     for (int i = 0; i < T::kKvPasses; ++i) offset[i] = next[i];
   }
@@ -217,20 +183,14 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
 
 // What both consumers do with a key stage: wait for column block cb of tile t.
 template <typename T>
-__device__ __forceinline__ void WaitFull(const Smem<T>& s, const Work& w, int t, int cb) {
-  const int stage = t % T::kStages;
-  const uint32_t parity = (t / T::kStages) & 1;
-  BarrierWait(s.KvFull(stage, cb), parity);
-  if (T::kPair && w.paired) BarrierWait(s.PeerFull(stage, cb), parity);
+__device__ __forceinline__ void WaitFull(const Smem<T>& s, int t, int cb) {
+  BarrierWait(s.KvFull(t % T::kStages, cb), (t / T::kStages) & 1);
   FenceProxyAsync();  // the cp.async data, seen through the barrier, before wgmma reads it
 }
 
 template <typename T>
-__device__ __forceinline__ void Release(const Smem<T>& s, const Work& w, int t, int lane) {
-  if (lane == 0) {  // one arrival per consumer warp, on both CTAs' barriers when paired
-    BarrierArrive(s.KvEmpty(t % T::kStages));
-    if (T::kPair && w.paired) BarrierArriveRemote(s.KvEmpty(t % T::kStages), w.rank ^ 1);
-  }
+__device__ __forceinline__ void Release(const Smem<T>& s, int t, int lane) {
+  if (lane == 0) BarrierArrive(s.KvEmpty(t % T::kStages));  // one arrival per consumer warp
 }
 
 // O[:, col0 : col0 + 256] B operand of k-step ks: keys [16 ks, 16 ks + 16) of a stage.
@@ -261,6 +221,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
 
   float o[kDTiles][4] = {};
   float acc[T::kNTiles][4];
+  float acc_odd[T::kSplitS ? T::kNTiles : 1][4];  // kSplitS: the odd k-steps' share of S
   uint32_t pf[T::kPSteps][4];
   float alpha[2];
   OnlineSoftmax<T::kNTiles> softmax;
@@ -276,10 +237,31 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      if (ks % 4 == 0) WaitFull(s, w, t, ks / 4);
+      if (ks % 4 == 0) WaitFull(s, t, ks / 4);
       const uint32_t in_block = (ks % 4) * 32;
-      Wgmma<kBlockN>::SS(acc, q_desc + (((ks / 4) * kQBlockBytes + in_block) >> 4),
-                         k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4), ks > 0 ? 1u : 0u);
+      const uint64_t a = q_desc + (((ks / 4) * kQBlockBytes + in_block) >> 4);
+      const uint64_t b = k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4);
+      if constexpr (T::kSplitS) {
+        if (ks % 2 == 0) {
+          Wgmma<kBlockN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
+        } else {
+          Wgmma<kBlockN>::SS(acc_odd, a, b, ks > 1 ? 1u : 0u);
+        }
+      } else {
+        Wgmma<kBlockN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
+      }
+    }
+  };
+  // Once S's GEMM is done: its accumulators are the compiler's again, and (kSplitS) one.
+  auto finish_qk = [&] {
+    PinRegisters(acc);
+    if constexpr (T::kSplitS) {
+      PinRegisters(acc_odd);
+#pragma unroll
+      for (int j = 0; j < T::kNTiles; ++j) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[j][c] += acc_odd[j][c];
+      }
     }
   };
   auto softmax_tile = [&](int t) {
@@ -313,7 +295,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     issue_qk(0);
     WgmmaCommit();
     WgmmaWait<0>();
-    PinRegisters(acc);
+    finish_qk();
     softmax_tile(0);  // O is still 0: its factor changes nothing
     ScoresToA(acc, pf);
     // One key tile: P V of tile t, then (kMore) S of tile t + 1, whose softmax runs once P V is
@@ -343,10 +325,10 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       }
       PinRegisters(o);
       PinRegisters(pf);  // the GEMM read pf until here
-      Release(s, w, t, lane);
+      Release(s, t, lane);
       if constexpr (kMore) {
         WgmmaWait<0>();
-        PinRegisters(acc);
+        finish_qk();
         softmax_tile(t + 1);
         ScoresToA(acc, pf);
       }
@@ -382,7 +364,7 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
     for (int t = 0; t < w.num_tiles; ++t) {
       // Its V half's blocks (done long since: S read them), each seen through its barrier.
 #pragma unroll
-      for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, w, t, cb);
+      for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, t, cb);
       NamedBarrierSync(kPFullBarrier, 256);
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
       RescaleAccumulator(o, alpha);
@@ -395,7 +377,7 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
       WgmmaCommit();
       WgmmaWait<0>();
       PinRegisters(o);
-      Release(s, w, t, lane);
+      Release(s, t, lane);
       // The last tile's P is not refilled: the arrivals match the score warpgroup's waits.
       if (t + 1 < w.num_tiles) NamedBarrierArrive(kPEmptyBarrier, 256);
     }
@@ -409,59 +391,28 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
 }
 
 template <typename T>
-__device__ __forceinline__ int NumTiles(int kv_begin, int kv_end) {
-  return max(0, (kv_end - kv_begin + T::kBlockN - 1) / T::kBlockN);
-}
-
-template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, int num_items,
-                  RowSink sink) {
+    MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, RowSink sink) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t raw = SharedAddress(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
   const Smem<T> s{base, smem + (base - raw)};
 
-  // A paired launch rounds its grid up to whole clusters: a CTA past the last item has no rows
-  // and no keys, and only takes part in the cluster's barriers.
-  const int index = static_cast<int>(blockIdx.x);
   Work w;
-  w.item = index < num_items ? items[index] : WorkItem{0, 0, 0, 0, -1};
+  w.item = items[blockIdx.x];
   w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
-  w.num_rows = index < num_items ? w.seq.q_len * p.num_heads : 0;
-  w.kv_end = w.item.kv_end;
-  w.paired = false;
-  w.rank = 0;
-  if constexpr (T::kPair) {
-    // Both CTAs of the cluster read both items and so agree on whether they share the tiles:
-    // same sequence and first key (the shorter item's extra keys are masked for its rows).
-    w.rank = ClusterRank();
-    const int pair = index & ~1;
-    if (pair + 1 < num_items) {
-      const WorkItem a = items[pair], b = items[pair + 1];
-      w.paired = a.seq == b.seq && a.kv_begin == b.kv_begin && a.kv_end > a.kv_begin &&
-                 b.kv_end > b.kv_begin;
-      if (w.paired) w.kv_end = max(a.kv_end, b.kv_end);
-    }
-  }
-  w.num_tiles = index < num_items ? NumTiles<T>(w.item.kv_begin, w.kv_end) : 0;
+  w.num_rows = w.seq.q_len * p.num_heads;
+  w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + T::kBlockN - 1) / T::kBlockN);
 
   const int tid = threadIdx.x;
   if (tid == 0) {
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
     for (int i = 0; i < T::kStages; ++i) {
-      for (int cb = 0; cb < kColumnBlocks; ++cb) {
-        BarrierInit(s.KvFull(i, cb), 128);
-        BarrierInit(s.PeerFull(i, cb), 1);  // the producer's expect_tx; the peer's bytes
-      }
-      BarrierInit(s.KvEmpty(i), w.paired ? 16 : 8);  // one arrival per consumer warp (of both)
+      for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
+      BarrierInit(s.KvEmpty(i), 8);  // one arrival per consumer warp
     }
   }
-  if constexpr (T::kPair) {
-    ClusterSync();  // the peer's barriers are initialized before anything arrives on them
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (tid < 128) {
     ReleaseRegisters<kProducerRegisters>();
@@ -473,9 +424,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     ClaimRegisters<kSecondRegisters>();
     ConsumeSecond<T>(p, w, s, tid - 256, sink);
   }
-  // Neither CTA of a pair leaves while the other may still copy into or arrive on its shared
-  // memory.
-  if constexpr (T::kPair) ClusterSync();
 }
 
 template <typename T>
@@ -485,25 +433,7 @@ struct Config {
   static cudaError_t Launch(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink = RowSink::ForMla(p, plan);
-    if constexpr (T::kPair) {
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3((plan.num_items + 1) / 2 * 2);
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = T::kSmemBytes;
-      config.stream = stream;
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 2;
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      ATTN_CUDA_RETURN_IF_ERROR(
-          cudaLaunchKernelEx(&config, kKernel, p, plan.items, plan.num_items, sink));
-    } else {
-      kKernel<<<plan.num_items, kThreads, T::kSmemBytes, stream>>>(p, plan.items, plan.num_items,
-                                                                   sink);
-    }
+    kKernel<<<plan.num_items, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
   }
@@ -527,9 +457,7 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
   switch (variant) {
     case kMlaSm90:
       return fn(Config<Traits<64, 2, false>>());
-    case kMlaSm90Deep:
-      return fn(Config<Traits<32, 4, false>>());
-    case kMlaSm90Pair:
+    case kMlaSm90SplitS:
       return fn(Config<Traits<64, 2, true>>());
     default:
       return cudaErrorInvalidValue;
@@ -538,17 +466,6 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
 
 }  // namespace
 }  // namespace sm90
-
-cudaError_t MlaSm90Available(bool* available) {
-  int device = 0, major = 0, minor = 0;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  ATTN_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  ATTN_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  *available = major == 9 && minor == 0;  // the sm_90a image runs on compute capability 9.0 only
-  return cudaSuccess;
-}
 
 cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream,
                           int variant) {

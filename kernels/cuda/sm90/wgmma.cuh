@@ -13,7 +13,6 @@
 #include <cstdint>
 
 // "%0, ..., %(n-1)": the accumulator registers of an n-register D.
-#define ATTN_WGMMA_D16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define ATTN_WGMMA_D32                                                     \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -34,8 +33,6 @@
 
 // The matching asm operands: 4, 32, 64 or 128 accumulators d[j][0..3].
 #define ATTN_WGMMA_ACC4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define ATTN_WGMMA_ACC16(j) \
-  ATTN_WGMMA_ACC4(j), ATTN_WGMMA_ACC4(j + 1), ATTN_WGMMA_ACC4(j + 2), ATTN_WGMMA_ACC4(j + 3)
 #define ATTN_WGMMA_ACC32(j)                                                                   \
   ATTN_WGMMA_ACC4(j), ATTN_WGMMA_ACC4(j + 1), ATTN_WGMMA_ACC4(j + 2), ATTN_WGMMA_ACC4(j + 3), \
       ATTN_WGMMA_ACC4(j + 4), ATTN_WGMMA_ACC4(j + 5), ATTN_WGMMA_ACC4(j + 6),                 \
@@ -47,20 +44,6 @@ namespace attn::cuda::sm90 {
 
 template <int kN>
 struct Wgmma;
-
-template <>
-struct Wgmma<32> {
-  // D (64 x 32, fp32) = A * B (+ D when accumulate): A and B from shared memory, both K-major.
-  __device__ __forceinline__ static void SS(float (&d)[4][4], uint64_t a, uint64_t b,
-                                            uint32_t accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" ATTN_WGMMA_D16
-        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : ATTN_WGMMA_ACC16(0)
-        : "l"(a), "l"(b), "r"(accumulate));
-  }
-};
 
 template <>
 struct Wgmma<64> {
@@ -136,12 +119,10 @@ struct Wgmma<256> {
 
 }  // namespace attn::cuda::sm90
 
-#undef ATTN_WGMMA_D16
 #undef ATTN_WGMMA_D32
 #undef ATTN_WGMMA_D64
 #undef ATTN_WGMMA_D128
 #undef ATTN_WGMMA_ACC4
-#undef ATTN_WGMMA_ACC16
 #undef ATTN_WGMMA_ACC32
 #undef ATTN_WGMMA_ACC64
 #undef ATTN_WGMMA_ACC128
