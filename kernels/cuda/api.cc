@@ -50,6 +50,10 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
 
 bool IsSm90Mla(int variant) { return variant >= kMlaSm90; }
 
+// The Hopper MLA variant the default selects: the fastest on every kernel_bench MLA shape on the
+// H200, 16-head decode included (where it also beats the portable kernel; bench/RESULTS.md).
+constexpr int kDefaultSm90Mla = kMlaSm90SplitS;
+
 // Resolves an MLA variant for the current device as ResolvePrefillVariant does.
 cudaError_t ResolveMlaVariant(int* variant) {
   bool sm90 = false;
@@ -57,7 +61,7 @@ cudaError_t ResolveMlaVariant(int* variant) {
   if (*variant < 0 || IsSm90Mla(*variant)) ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(&sm90));
 #endif
   if (IsSm90Mla(*variant) && !sm90) return cudaErrorNotSupported;
-  if (*variant < 0) *variant = sm90 ? kMlaSm90 : kMlaPortable;
+  if (*variant < 0) *variant = sm90 ? kDefaultSm90Mla : kMlaPortable;
   return cudaSuccess;
 }
 
