@@ -4,7 +4,8 @@
 // same shapes with torch's SDPA backends (and the cuBLAS GEMM ceiling); bench/report.py joins the
 // two JSON files into bench/RESULTS.md's table.
 //
-//   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--sequential_pages]
+//   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,10]
+//                [--mla_variants 0,10] [--min_chunk KEYS] [--waves W] [--sequential_pages]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
@@ -56,7 +57,7 @@ struct Shape {
 
 struct Result {
   Shape shape;
-  int variant = -1;  // GQA prefill tile shape (-1: default)
+  int variant = -1;  // GQA prefill tile shape or MLA kernel (-1: default)
   double median_us = 0, tflops = 0, tbps = 0;
   size_t items = 0;
   int chunk_len = 0;
@@ -175,7 +176,7 @@ Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overri
   if (s.mla) {
     o.sm_scale = 0.1352337747812271f;
     testing::MlaHostBatch h = testing::MakeMlaBatch({1, s.page_size, s.qo_heads}, s.seqs, o, rng);
-    CHECK_CUDA(DeviceBatch::Create(h, &d, overrides));
+    CHECK_CUDA(DeviceBatch::Create(h, &d, variant, overrides));
   } else {
     testing::GqaHostBatch h =
         testing::MakeGqaBatch({1, s.page_size, s.qo_heads, s.kv_heads, s.head_dim}, s.seqs, o, rng);
@@ -199,7 +200,13 @@ int Main(int argc, char** argv) {
   std::string json, filter;
   int runs = 30;
   bool shuffle_pages = true;
-  std::vector<int> variants{-1};
+  std::vector<int> variants{-1}, mla_variants{-1};
+  auto parse_list = [](const char* arg) {
+    std::vector<int> list;
+    std::stringstream in(arg);
+    for (std::string v; std::getline(in, v, ',');) list.push_back(std::stoi(v));
+    return list;
+  };
   testing::PlanOverrides overrides;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -215,15 +222,15 @@ int Main(int argc, char** argv) {
       overrides.min_chunk_len = std::atoi(argv[++i]);
     else if (a == "--waves" && i + 1 < argc)
       overrides.target_waves = std::atof(argv[++i]);
-    else if (a == "--prefill_variants" && i + 1 < argc) {
-      variants.clear();
-      std::stringstream list(argv[++i]);
-      for (std::string v; std::getline(list, v, ',');) variants.push_back(std::stoi(v));
-    } else {
+    else if (a == "--prefill_variants" && i + 1 < argc)
+      variants = parse_list(argv[++i]);
+    else if (a == "--mla_variants" && i + 1 < argc)
+      mla_variants = parse_list(argv[++i]);
+    else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
-                   "[--prefill_variants 0,1] [--min_chunk KEYS] [--waves W] "
-                   "[--sequential_pages]\n");
+                   "[--prefill_variants 0,10] [--mla_variants 0,10] [--min_chunk KEYS] "
+                   "[--waves W] [--sequential_pages]\n");
       return 2;
     }
   }
@@ -246,9 +253,9 @@ int Main(int argc, char** argv) {
   for (const Shape& s : Shapes()) {
     if (!filter.empty() && !std::regex_search(s.name, std::regex(filter))) continue;
     const bool has_variants = !s.mla && !s.decode && s.head_dim <= 128;
-    for (int v : has_variants ? variants : std::vector<int>{-1}) {
+    for (int v : s.mla ? mla_variants : has_variants ? variants : std::vector<int>{-1}) {
       Result r = Measure(s, v, overrides, shuffle_pages, runs, flush, flush_bytes);
-      if (v > 0) r.shape.name += "_v" + std::to_string(v);
+      if (v > 0 || (s.mla && v == 0)) r.shape.name += "_v" + std::to_string(v);
       std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(), r.median_us,
                   r.tflops, r.tbps, 100.0 * r.tbps / copy_tbps, r.items, r.chunk_len);
       std::fflush(stdout);

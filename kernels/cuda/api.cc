@@ -22,6 +22,7 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   c.block_n = tiling.block_n;
   c.cta_slots = tiling.num_sms * tiling.ctas_per_sm;
   c.min_chunk_len = tiling.min_chunk_len;
+  c.waves_before_split = tiling.waves_before_split;
   c.causal = causal;
   c.max_partial_rows = max_partial_rows;
   return c;
@@ -49,6 +50,30 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
   return cudaSuccess;
 }
 
+bool IsSm90Mla(int variant) { return variant >= kMlaSm90; }
+
+// The Hopper MLA variant the default selects: the fastest on every kernel_bench MLA shape on the
+// H200, 16-head decode included (where it also beats the portable kernel; bench/RESULTS.md).
+constexpr int kDefaultSm90Mla = kMlaSm90SplitS;
+
+// Resolves an MLA variant for the current device as ResolvePrefillVariant does.
+cudaError_t ResolveMlaVariant(int* variant) {
+  bool sm90 = false;
+#ifdef ATTN_HAVE_SM90
+  if (*variant < 0 || IsSm90Mla(*variant)) ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(&sm90));
+#endif
+  if (IsSm90Mla(*variant) && !sm90) return cudaErrorNotSupported;
+  if (*variant < 0) *variant = sm90 ? kDefaultSm90Mla : kMlaPortable;
+  return cudaSuccess;
+}
+
+cudaError_t LaunchMlaVariant(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+#ifdef ATTN_HAVE_SM90
+  if (IsSm90Mla(plan.variant)) return LaunchMlaSm90(p, plan, stream, plan.variant);
+#endif
+  return LaunchMla(p, plan, stream);
+}
+
 }  // namespace
 
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling) {
@@ -72,6 +97,11 @@ cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling) {
 
 cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling) {
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
+  ATTN_CUDA_RETURN_IF_ERROR(ResolveMlaVariant(&tiling->variant));
+#ifdef ATTN_HAVE_SM90
+  if (IsSm90Mla(tiling->variant)) return MlaSm90Tiling(tiling->variant, decode, tiling);
+#endif
+  if (tiling->variant != kMlaPortable) return cudaErrorInvalidValue;
   return MlaTiling(num_heads, decode, tiling);
 }
 
@@ -108,7 +138,7 @@ cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_
 }
 
 cudaError_t MlaAttention(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-  if (plan.num_items > 0) ATTN_CUDA_RETURN_IF_ERROR(LaunchMla(p, plan, stream));
+  if (plan.num_items > 0) ATTN_CUDA_RETURN_IF_ERROR(LaunchMlaVariant(p, plan, stream));
   return LaunchMergeStates(plan, p.num_heads, kMlaCkvDim, p.out, p.lse, stream);
 }
 

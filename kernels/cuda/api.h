@@ -48,6 +48,13 @@ inline constexpr int kGqaPrefillSm90LeanSerialPersistent = 14;
 // rows: one or a few new tokens per sequence, where a 128-row prefill CTA is mostly padding.
 inline constexpr int kGqaPrefillOnDecodeKernel = 20;
 
+// MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
+// capability 9.0), of which the default (-1) selects kMlaSm90SplitS where they run
+// (kernels/cuda/sm90/mla_sm90.cu).
+inline constexpr int kMlaPortable = 0;
+inline constexpr int kMlaSm90 = 10;        // 64-key tiles, two stages
+inline constexpr int kMlaSm90SplitS = 11;  // the same, S in two chains of k-steps
+
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {
   int variant = -1;     // which of the family's tile shapes (-1: the default for the shape)
@@ -57,10 +64,14 @@ struct KernelTiling {
   int num_sms = 0;
   // Shortest split-KV chunk worth its partial-output traffic (MLA partial rows are 512 floats).
   int min_chunk_len = 256;
+  // PlanConfig::waves_before_split: a kernel of few, long CTAs per SM splits only when a launch
+  // would not fill the GPU once.
+  double waves_before_split = 2.0;
 };
 
 // Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA
-// prefill, tiling->variant may name a tile shape on entry (benchmarks compare them).
+// prefill and MLA, tiling->variant may name a variant on entry (tests and benchmarks compare
+// them); on return it names the one the launch runs.
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling);
 // Tiling of kGqaPrefillOnDecodeKernel, for LaunchOptions::short_prefill.
 cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling);

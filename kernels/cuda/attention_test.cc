@@ -6,8 +6,10 @@
 // over the prefix of its sequence it can see, which is the same attention for that row.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -125,29 +127,47 @@ const std::vector<int> kCheckedPrefillVariants = {0,
                                                   cuda::kGqaPrefillSm90LeanSerialPersistent,
                                                   cuda::kGqaPrefillOnDecodeKernel};
 
-// Those of `candidates` the entry points accept for head_dim on this device (the portable
-// kernel everywhere, the sm_90a kernels on Hopper).
-std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidates) {
+// Those of `candidates` the entry points accept on this device (the portable kernels
+// everywhere, the sm_90a kernels on Hopper): get_tiling(&tiling) with tiling.variant set.
+template <typename GetTiling>
+std::vector<int> AcceptedVariants(const std::vector<int>& candidates, GetTiling get_tiling) {
   std::vector<int> variants;
   for (int v : candidates) {
     cuda::KernelTiling tiling;
     tiling.variant = v;
-    if (cuda::GetGqaTiling(head_dim, false, &tiling) == cudaSuccess) variants.push_back(v);
+    if (get_tiling(&tiling) == cudaSuccess) variants.push_back(v);
   }
   return variants;
 }
 
-// Runs the batch through each kernel variant (outputs poisoned before each) and checks them all
-// against one reference run.
-void RunGqa(const GqaGeometry& g, const Case& c, const std::vector<int>& variants = {-1}) {
-  std::mt19937_64 rng(Seed());
-  GqaHostBatch host = MakeGqaBatch(g, c.seqs, c.options, rng);
-  struct Got {
-    int variant;
-    std::vector<bf16> out, cache;
-    std::vector<float> lse;
-  };
-  std::vector<Got> got;
+std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidates) {
+  return AcceptedVariants(
+      candidates, [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, false, t); });
+}
+
+// The MLA kernels every run checks: the portable one and the sm_90a ones where they run, or
+// those ATTN_TEST_MLA_VARIANTS lists ("0,10": to bisect a failing variant on the GPU).
+std::vector<int> MlaVariants() {
+  std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90, cuda::kMlaSm90SplitS};
+  if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
+    candidates.clear();
+    std::stringstream in(list);
+    for (std::string v; std::getline(in, v, ',');) candidates.push_back(std::stoi(v));
+  }
+  return AcceptedVariants(candidates,
+                          [](cuda::KernelTiling* t) { return cuda::GetMlaTiling(16, false, t); });
+}
+
+// One kernel variant's results for a batch.
+struct Got {
+  int variant;
+  std::vector<bf16> out, cache;
+  std::vector<float> lse;
+};
+
+// Runs the batch (GQA or MLA) through each kernel variant, outputs poisoned before each.
+template <typename HostBatch>
+void RunVariants(HostBatch& host, const std::vector<int>& variants, std::vector<Got>* got) {
   for (int v : variants) {
     std::unique_ptr<DeviceBatch> device;
     ASSERT_CUDA_OK(DeviceBatch::Create(host, &device, v));
@@ -155,8 +175,16 @@ void RunGqa(const GqaGeometry& g, const Case& c, const std::vector<int>& variant
     ASSERT_CUDA_OK(device->Run(nullptr));
     Got r{v, {}, {}, {}};
     ASSERT_CUDA_OK(device->Download(&r.out, &r.lse, &r.cache));
-    got.push_back(std::move(r));
+    got->push_back(std::move(r));
   }
+}
+
+// Runs the batch through each kernel variant and checks them all against one reference run.
+void RunGqa(const GqaGeometry& g, const Case& c, const std::vector<int>& variants = {-1}) {
+  std::mt19937_64 rng(Seed());
+  GqaHostBatch host = MakeGqaBatch(g, c.seqs, c.options, rng);
+  std::vector<Got> got;
+  ASSERT_NO_FATAL_FAILURE(RunVariants(host, variants, &got));
 
   // The reference appends into the host cache, then attends over the sampled rows.
   reference::GqaAppendKv(host.Params());
@@ -179,19 +207,13 @@ void RunGqa(const GqaGeometry& g, const Case& c, const std::vector<int>& variant
   }
 }
 
-void RunMla(const MlaGeometry& g, const Case& c) {
+void RunMla(const MlaGeometry& g, const Case& c, const std::vector<int>& variants = MlaVariants()) {
   std::mt19937_64 rng(Seed());
   MlaHostBatch host = MakeMlaBatch(g, c.seqs, c.options, rng);
-  std::unique_ptr<DeviceBatch> device;
-  ASSERT_CUDA_OK(DeviceBatch::Create(host, &device));
-  ASSERT_CUDA_OK(device->PoisonOutputs(nullptr));
-  ASSERT_CUDA_OK(device->Run(nullptr));
-  std::vector<bf16> out, cache;
-  std::vector<float> lse;
-  ASSERT_CUDA_OK(device->Download(&out, &lse, &cache));
+  std::vector<Got> got;
+  ASSERT_NO_FATAL_FAILURE(RunVariants(host, variants, &got));
 
   reference::MlaAppendKv(host.Params());
-  ExpectSameCache(cache, host.cache);
   const auto rows = RowsToCheck(host.table, c.sample_rows, rng);
   MlaHostBatch ref = host;
   ref.table = SampledTable(host.table, g.page_size, rows, c.options.causal);
@@ -203,9 +225,13 @@ void RunMla(const MlaGeometry& g, const Case& c) {
   ref.lse.assign(host.lse.empty() ? 0 : rows.size() * g.num_heads, 0.f);
   reference::MlaAttention(ref.Params());
   const int64_t out_width = int64_t{g.num_heads} * kMlaCkvDim;
-  ExpectResults(Gather(out, host.table, rows, out_width),
-                Gather(lse, host.table, rows, host.lse.empty() ? 0 : g.num_heads), ref.out,
-                ref.lse);
+  for (const Got& r : got) {
+    SCOPED_TRACE(::testing::Message() << "variant " << r.variant);
+    ExpectSameCache(r.cache, host.cache);
+    ExpectResults(Gather(r.out, host.table, rows, out_width),
+                  Gather(r.lse, host.table, rows, host.lse.empty() ? 0 : g.num_heads), ref.out,
+                  ref.lse);
+  }
 }
 
 // Ragged prefill: a one-token query, exact page multiples, q_len > kv_len rows (with and without
@@ -371,14 +397,17 @@ void RunGqaOverflow(const GqaGeometry& g, const OverflowCase& c, const std::vect
 
 void RunMlaOverflow(const MlaGeometry& g, const OverflowCase& c) {
   for (Overflow how : kOverflows) {
-    SCOPED_TRACE(::testing::Message() << c.name << " overflow " << static_cast<int>(how));
     std::mt19937_64 rng(Seed());
     MlaHostBatch host = MakeMlaBatch(g, c.seqs, c.options, rng);
     MakeLogitsOverflow(how, &host);
-    std::unique_ptr<DeviceBatch> device;
-    ASSERT_CUDA_OK(DeviceBatch::Create(host, &device, OverflowPlan(c.split)));
-    ExpectOverflowRows(*device, host.table, g.page_size, host.causal, g.num_heads, kMlaCkvDim,
-                       c.split);
+    for (int v : MlaVariants()) {
+      SCOPED_TRACE(::testing::Message()
+                   << c.name << " overflow " << static_cast<int>(how) << " variant " << v);
+      std::unique_ptr<DeviceBatch> device;
+      ASSERT_CUDA_OK(DeviceBatch::Create(host, &device, v, OverflowPlan(c.split)));
+      ExpectOverflowRows(*device, host.table, g.page_size, host.causal, g.num_heads, kMlaCkvDim,
+                         c.split);
+    }
   }
 }
 

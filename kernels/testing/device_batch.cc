@@ -81,13 +81,14 @@ cudaError_t DeviceBatch::Create(GqaHostBatch& host, std::unique_ptr<DeviceBatch>
   return cudaSuccess;
 }
 
-cudaError_t DeviceBatch::Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>* out,
+cudaError_t DeviceBatch::Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>* out, int variant,
                                 PlanOverrides overrides) {
   std::unique_ptr<DeviceBatch> d(new DeviceBatch());
   ATTN_CUDA_RETURN_IF_ERROR(d->cache_.Upload(host.cache));
   MlaCache cache = host.Params().cache;
   cache.data = d->cache_.get<bf16>();
   cuda::KernelTiling tiling;
+  tiling.variant = variant;
   ATTN_CUDA_RETURN_IF_ERROR(
       cuda::GetMlaTiling(host.geometry.num_heads, host.table.decode, &tiling));
   d->launch_.PlanMla(cache, host.geometry.num_heads, host.table.View(),

@@ -64,7 +64,8 @@ class DeviceBatch {
   // `variant`: the GQA prefill tile shape (KernelTiling::variant; -1 for the default).
   static cudaError_t Create(GqaHostBatch& host, std::unique_ptr<DeviceBatch>* out, int variant = -1,
                             PlanOverrides overrides = {});
-  static cudaError_t Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>* out,
+  // `variant`: the MLA kernel (KernelTiling::variant; -1 for the default).
+  static cudaError_t Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>* out, int variant = -1,
                             PlanOverrides overrides = {});
 
   // Append (when the batch has new K/V) and attention, enqueued on `stream`.

@@ -519,7 +519,7 @@ cudaError_t WithConfig(int head_dim, int variant, Fn&& fn) {
 }  // namespace
 }  // namespace sm90
 
-cudaError_t GqaPrefillSm90Available(int head_dim, bool* available) {
+cudaError_t DeviceRunsSm90a(bool* runs) {
   int device = 0, major = 0, minor = 0;
   ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   ATTN_CUDA_RETURN_IF_ERROR(
@@ -527,7 +527,13 @@ cudaError_t GqaPrefillSm90Available(int head_dim, bool* available) {
   ATTN_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   // The kernels are built for sm_90a only: that image runs on compute capability 9.0 alone.
-  *available = major == 9 && minor == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+  *runs = major == 9 && minor == 0;
+  return cudaSuccess;
+}
+
+cudaError_t GqaPrefillSm90Available(int head_dim, bool* available) {
+  ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(available));
+  *available = *available && (head_dim == 64 || head_dim == 128 || head_dim == 256);
   return cudaSuccess;
 }
 

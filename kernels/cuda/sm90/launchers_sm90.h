@@ -9,13 +9,20 @@
 
 namespace attn::cuda {
 
-// Sets *available when the current device runs the sm_90a kernels (compute capability 9.0) and
-// they cover head_dim.
+// Sets *runs when the current device runs the sm_90a kernels (compute capability 9.0).
+cudaError_t DeviceRunsSm90a(bool* runs);
+
+// Sets *available when the current device runs the sm_90a GQA kernels and they cover head_dim.
 cudaError_t GqaPrefillSm90Available(int head_dim, bool* available);
 
 // `variant`: one of the kGqaPrefillSm90* variants (kernels/cuda/api.h).
 cudaError_t LaunchGqaPrefillSm90(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream,
                                  int variant);
 cudaError_t GqaPrefillSm90Tiling(int head_dim, int variant, KernelTiling* tiling);
+
+// The MLA kernels (kMlaSm90*), where DeviceRunsSm90a.
+cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream,
+                          int variant);
+cudaError_t MlaSm90Tiling(int variant, bool decode, KernelTiling* tiling);
 
 }  // namespace attn::cuda

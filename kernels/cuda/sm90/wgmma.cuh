@@ -95,6 +95,16 @@ struct Wgmma<128> {
 
 template <>
 struct Wgmma<256> {
+  // D (64 x 256, fp32) += A * B: A from shared memory (K-major), B from shared memory, MN-major
+  // (transposed).
+  __device__ __forceinline__ static void SSTransB(float (&d)[32][4], uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" ATTN_WGMMA_D128
+        "}, %128, %129, 1, 1, 1, 0, 1;\n}\n"
+        : ATTN_WGMMA_ACC128(0)
+        : "l"(a), "l"(b));
+  }
   // D (64 x 256, fp32) += A * B: A from registers, B from shared memory, MN-major (transposed).
   __device__ __forceinline__ static void RSTransB(float (&d)[32][4], const uint32_t (&a)[4],
                                                   uint64_t b) {
