@@ -15,6 +15,8 @@
 #include "grpcpp/impl/codegen/proto_utils.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/proto_buffer_writer.h"
+#include "kernels/cpu/thread_pool.h"
+#include "server/backends/merged_batch.h"
 #include "server/rpc/request_reader.h"
 #include "server/rpc/response_writer.h"
 #include "server/rpc/tensor_message.h"
@@ -187,6 +189,32 @@ void BM_ClientReadSlices(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * buffer.Length());
 }
 
+// The backend's gather of a message's tensor bytes (4 MiB slices) into one staging buffer, on
+// 1 or more threads of a pool (CopyRun, which stays on the caller below kParallelCopyMinBytes
+// per thread): range(0) bytes, range(1) threads.
+void BM_Gather(benchmark::State& state) {
+  const size_t bytes = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  std::vector<std::string> slices;
+  HostBytes host;
+  for (size_t at = 0; at < bytes; at += 4 << 20) {
+    slices.emplace_back(std::min<size_t>(4 << 20, bytes - at), '\x3f');
+  }
+  for (const std::string& s : slices) host.Append(s.data(), s.size());
+  HostRun run;
+  run.Add(0, &host);
+  std::string staging(bytes, '\0');
+  cpu::ThreadPool pool(threads - 1);
+  const ParallelFor parallel_for = [&](int64_t n, const std::function<void(int64_t)>& fn) {
+    pool.ParallelFor(n, fn);
+  };
+  for (auto _ : state) {
+    CopyRun(run, staging.data(), 0, bytes, threads, parallel_for);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+}
+
 BENCHMARK(BM_ParseProtobuf)->Args({64, 0})->Args({8192, 1})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ParseReader)->Args({64, 0})->Args({8192, 1})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_WriteProtobuf)->Arg(64)->Arg(8192)->Unit(benchmark::kMicrosecond);
@@ -194,6 +222,9 @@ BENCHMARK(BM_WriteShared)->Arg(64)->Arg(8192)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ClientWriteProtobuf)->Args({64, 0})->Args({8192, 1})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ClientWriteSlices)->Args({64, 0})->Args({8192, 1})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ClientReadProtobuf)->Arg(64)->Arg(8192)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Gather)
+    ->ArgsProduct({{512 << 10, 2 << 20, 8 << 20, 96 << 20}, {1, 2}})
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ClientReadSlices)->Arg(64)->Arg(8192)->Unit(benchmark::kMicrosecond);
 
 }  // namespace

@@ -94,7 +94,7 @@ class CpuLane final : public Lane {
                       std::vector<bf16>& dst) {
       dst.resize(rows * row.elements());
       GatherRows(calls, merged_, field, row.elements() * int64_t{sizeof(bf16)},
-                 reinterpret_cast<char*>(dst.data()));
+                 reinterpret_cast<char*>(dst.data()), workers_.MaxParallelism(), parallel_for_);
       in_elems += rows * row.elements();
       return dst.data();
     };
@@ -147,14 +147,18 @@ class CpuLane final : public Lane {
 
   // Scratch the lane keeps between launches, in bytes.
   int64_t retained_bytes() const {
-    return static_cast<int64_t>(
-        (q_.capacity() + q_pe_.capacity() + k_.capacity() + v_.capacity()) * sizeof(bf16));
+    return static_cast<int64_t>((q_.capacity() + q_pe_.capacity() + k_.capacity() + v_.capacity()) *
+                                sizeof(bf16));
   }
 
  private:
   const CpuPool& pool_;
   const Op op_;
   cpu::ThreadPool& workers_;
+  // Large gathers run on the workers too (GatherRows).
+  const ParallelFor parallel_for_ = [this](int64_t n, const std::function<void(int64_t)>& fn) {
+    workers_.ParallelFor(n, fn);
+  };
   // Scratch a large launch grew is given back after it, so one large call does not keep its
   // memory for the life of the process (OutputBuffers does the same for the outputs); the steady
   // state of ordinary calls allocates nothing.
@@ -175,8 +179,9 @@ std::string CpuModelName() {
   while (std::getline(cpuinfo, line)) {
     if (absl::StartsWith(line, "model name")) {
       const size_t colon = line.find(':');
-      if (colon != std::string::npos) return std::string(absl::StripLeadingAsciiWhitespace(
-                                                  absl::string_view(line).substr(colon + 1)));
+      if (colon != std::string::npos)
+        return std::string(
+            absl::StripLeadingAsciiWhitespace(absl::string_view(line).substr(colon + 1)));
     }
   }
   return "unknown CPU";
