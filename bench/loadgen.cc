@@ -44,7 +44,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -64,6 +66,9 @@ ABSL_FLAG(double, warmup_seconds, 1, "Unmeasured calls first");
 ABSL_FLAG(std::string, json, "", "Also write the results here");
 ABSL_FLAG(std::string, transport, "bytes", "bytes, shm or cuda (registered memory)");
 ABSL_FLAG(bool, append, false, "Measured prefills append their K/V");
+ABSL_FLAG(std::vector<std::string>, channel_args, {},
+          "More integer gRPC channel arguments, NAME=VALUE,... (they override the HTTP/2 and TCP "
+          "sizes set for MB messages, e.g. grpc.http2.max_frame_size=16384)");
 ABSL_FLAG(bool, protobuf_bytes, false,
           "--transport=bytes: serialize requests and parse responses with protobuf, copying "
           "every tensor (the generated stub's way), instead of sending the tensors as slices");
@@ -101,6 +106,15 @@ std::unique_ptr<v1::AttentionService::Stub> Connect(
   args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, 4 << 20);
   args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
   args.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 << 20);
+  for (const std::string& arg : absl::GetFlag(FLAGS_channel_args)) {
+    const std::vector<std::string> kv = absl::StrSplit(arg, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (kv.size() != 2 || !absl::SimpleAtoi(kv[1], &value)) {
+      std::fprintf(stderr, "--channel_args: %s is not NAME=INTEGER\n", arg.c_str());
+      std::exit(2);
+    }
+    args.SetInt(kv[0], value);
+  }
   std::shared_ptr<grpc::Channel> c =
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   if (channel != nullptr) *channel = c;
