@@ -215,6 +215,12 @@ class SliceList {
 
 absl::Status ReadTensorMessage(absl::Span<const absl::string_view> pieces, int first_field,
                                int last_field, Message* message, absl::Span<HostBytes> data) {
+  if (last_field < first_field ||
+      data.size() != static_cast<size_t>(last_field - first_field + 1)) {
+    return absl::InternalError(absl::StrCat("ReadTensorMessage: ", data.size(),
+                                            " data slots for fields ", first_field, " to ",
+                                            last_field));
+  }
   PieceReader in(pieces);
   const uint64_t total = in.left();
   const auto is_tensor = [&](int field) { return field >= first_field && field <= last_field; };

@@ -162,5 +162,13 @@ TEST(TensorMessageTest, ReadsBackWhatItWrites) {
   }
 }
 
+TEST(TensorMessageTest, RefusesDataSlotsThatDoNotMatchTheFields) {
+  v1::AttentionResponse r;
+  HostBytes data[1];
+  const std::vector<absl::string_view> none;
+  EXPECT_EQ(ReadTensorMessage(none, 1, 2, &r, data).code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(ReadTensorMessage(none, 1, 1, &r, data).ok());
+}
+
 }  // namespace
 }  // namespace attn
