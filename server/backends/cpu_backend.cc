@@ -147,8 +147,8 @@ class CpuLane final : public Lane {
 
   // Scratch the lane keeps between launches, in bytes.
   int64_t retained_bytes() const {
-    return static_cast<int64_t>((q_.capacity() + q_pe_.capacity() + k_.capacity() + v_.capacity()) *
-                                sizeof(bf16));
+    return static_cast<int64_t>(
+        (q_.capacity() + q_pe_.capacity() + k_.capacity() + v_.capacity()) * sizeof(bf16));
   }
 
  private:
@@ -179,9 +179,8 @@ std::string CpuModelName() {
   while (std::getline(cpuinfo, line)) {
     if (absl::StartsWith(line, "model name")) {
       const size_t colon = line.find(':');
-      if (colon != std::string::npos)
-        return std::string(
-            absl::StripLeadingAsciiWhitespace(absl::string_view(line).substr(colon + 1)));
+      if (colon != std::string::npos) return std::string(absl::StripLeadingAsciiWhitespace(
+                                                  absl::string_view(line).substr(colon + 1)));
     }
   }
   return "unknown CPU";
