@@ -16,6 +16,12 @@
 // (ServerConfig.data_plane). --append makes the measured prefills append their K/V.
 // --call_queue (with shm or cuda) sends the calls through a call queue per client (attention.proto,
 // "Call queues"; client/cpp/call_queue_client.h) instead of gRPC, which then only sets up.
+//
+// Over bytes the messages are protobuf's wire format either way, but attn_loadgen writes each
+// request once with its tensors as slices of their own and reads the response's tensors where
+// gRPC received them (server/rpc/tensor_message.h), as the server does; --protobuf_bytes builds
+// and parses them with protobuf instead (every tensor copied in and out of a string), as a
+// client using the generated stub does.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -40,11 +46,15 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/cpp/call_queue_client.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/attnserve/v1/call_queue.h"
+#include "server/rpc/tensor_message.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "Server address");
 ABSL_FLAG(std::string, pool, "", "Pool (empty: the server's only pool)");
@@ -66,6 +76,12 @@ ABSL_FLAG(bool, call_queue, false,
 ABSL_FLAG(int, call_queue_spin_us, -1,
           "--call_queue: how long a call polls its slot before sleeping on the slot's futex "
           "(default: 200 on a machine of 8 or more cores, else 0)");
+ABSL_FLAG(std::vector<std::string>, channel_args, {},
+          "More integer gRPC channel arguments, NAME=VALUE,... (they override the HTTP/2 and TCP "
+          "sizes set for MB messages, e.g. grpc.http2.max_frame_size=16384)");
+ABSL_FLAG(bool, protobuf_bytes, false,
+          "--transport=bytes: serialize requests and parse responses with protobuf, copying "
+          "every tensor (the generated stub's way), instead of sending the tensors as slices");
 ABSL_FLAG(bool, spin, false,
           "Wait for each reply by polling a completion queue instead of sleeping in it (how "
           "much of a call's cost is waking the caller's thread)");
@@ -87,7 +103,9 @@ using Clock = std::chrono::steady_clock;
     }                                                                          \
   } while (0)
 
-std::unique_ptr<v1::AttentionService::Stub> Connect(const std::string& address) {
+// A stub on a new channel to `address`; the channel also goes to `channel` when given.
+std::unique_ptr<v1::AttentionService::Stub> Connect(
+    const std::string& address, std::shared_ptr<grpc::Channel>* channel = nullptr) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
@@ -98,8 +116,19 @@ std::unique_ptr<v1::AttentionService::Stub> Connect(const std::string& address) 
   args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, 4 << 20);
   args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
   args.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 << 20);
-  return v1::AttentionService::NewStub(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  for (const std::string& arg : absl::GetFlag(FLAGS_channel_args)) {
+    const std::vector<std::string> kv = absl::StrSplit(arg, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (kv.size() != 2 || !absl::SimpleAtoi(kv[1], &value)) {
+      std::fprintf(stderr, "--channel_args: %s is not NAME=INTEGER\n", arg.c_str());
+      std::exit(2);
+    }
+    args.SetInt(kv[0], value);
+  }
+  std::shared_ptr<grpc::Channel> c =
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (channel != nullptr) *channel = c;
+  return v1::AttentionService::NewStub(c);
 }
 
 void RandomBf16(v1::Tensor* t, std::vector<int64_t> shape, std::mt19937& rng) {
@@ -458,6 +487,92 @@ grpc::Status QueueCall(client::CallQueueClient& queue, const v1::DecodeRequest& 
   }
   return grpc::Status::OK;
 }
+// ---- The bytes transport without protobuf's copies: each request is written once (its tensors'
+// data borrowed from the request it was built from, as slices of the gRPC message) and sent again
+// on every call; the response's output and lse stay in the slices gRPC received them in (a real
+// caller would copy them once, to where it needs them). The bytes on the wire are protobuf's.
+class SliceCalls {
+ public:
+  // `decode` and `prefills` must outlive this object, unchanged; calls go to the prefills (in
+  // turn) when there are any, else to the decode.
+  SliceCalls(std::shared_ptr<grpc::Channel> channel, const v1::DecodeRequest& decode,
+             const std::vector<v1::PrefillRequest>& prefills)
+      : stub_(std::move(channel)),
+        method_(absl::StrCat("/", v1::AttentionService::service_full_name(),
+                             prefills.empty() ? "/Decode" : "/Prefill")) {
+    if (prefills.empty()) requests_.push_back(Prepare(decode));
+    for (const v1::PrefillRequest& p : prefills) requests_.push_back(Prepare(p));
+  }
+  ~SliceCalls() {
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+  // One call, its reply awaited in the completion queue (polled without sleeping with `spin`).
+  grpc::Status Call(grpc::ClientContext* ctx, bool spin, v1::AttentionResponse* resp) {
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+        stub_.PrepareUnaryCall(ctx, method_, requests_[next_++ % requests_.size()], &cq_);
+    call->StartCall();
+    grpc::ByteBuffer reply;
+    grpc::Status status;
+    call->Finish(&reply, &status, this);
+    void* tag = nullptr;
+    bool ok = false;
+    if (spin) {
+      while (cq_.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC)) !=
+             grpc::CompletionQueue::NextStatus::GOT_EVENT) {
+      }
+    } else {
+      cq_.Next(&tag, &ok);
+    }
+    if (!status.ok()) return status;
+    HostBytes data[2];  // output, lse
+    if (absl::Status st =
+            ReadTensorMessage(reply, &slices_, v1::AttentionResponse::kOutputFieldNumber,
+                              v1::AttentionResponse::kLseFieldNumber, resp, data);
+        !st.ok()) {
+      return grpc::Status(grpc::StatusCode::INTERNAL, std::string(st.message()));
+    }
+    // The data must be what the shapes say: a reader that lost bytes would show here.
+    if (resp->has_output() && data[0].size() != Elements(resp->output()) * 2) {
+      return grpc::Status(grpc::StatusCode::INTERNAL,
+                          absl::StrCat("output has ", data[0].size(), " bytes for shape ",
+                                       resp->output().ShortDebugString()));
+    }
+    return status;
+  }
+
+ private:
+  static grpc::ByteBuffer Prepare(const google::protobuf::Message& request) {
+    const google::protobuf::Descriptor* d = request.GetDescriptor();
+    std::vector<TensorSlice> tensors;
+    for (const google::protobuf::FieldDescriptor* f :
+         {d->FindFieldByName("q"), d->FindFieldByName("q_pe"), d->FindFieldByName("k_new"),
+          d->FindFieldByName("v_new"), d->FindFieldByName("ckv_new"),
+          d->FindFieldByName("kpe_new")}) {
+      if (f == nullptr) continue;
+      const auto& t =
+          static_cast<const v1::Tensor&>(request.GetReflection()->GetMessage(request, f));
+      tensors.push_back({f->number(), BorrowedSlice(t.data().data(), t.data().size())});
+    }
+    return WriteTensorMessage(request, tensors);
+  }
+  static int64_t Elements(const v1::Tensor& t) {
+    int64_t n = 1;
+    for (int64_t d : t.shape()) n *= d;
+    return n;
+  }
+
+  grpc::GenericStub stub_;
+  const std::string method_;
+  grpc::CompletionQueue cq_;
+  std::vector<grpc::ByteBuffer> requests_;
+  size_t next_ = 0;
+  std::vector<grpc::Slice> slices_;  // the last response's
+};
 
 struct Sample {
   double client_us, queue_us, compute_us, total_us;
@@ -506,12 +621,13 @@ int Main() {
   // Set-up: every client's sequences, filled with random K/V.
   const int seq_tokens = prefill ? context + prefill_tokens : context;
   std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
   std::vector<Sequences> seqs;
   std::mt19937 rng(1);
   std::string session;
   for (int c = 0; c < clients + (background > 0); ++c) {
     const bool bg = c == clients;
-    stubs.push_back(Connect(address));
+    stubs.push_back(Connect(address, &channels.emplace_back()));
     if (session.empty()) session = OpenSession(*stubs.back());
     seqs.push_back(
         Allocate(*stubs.back(), g, session, bg ? 1 : batch, bg ? background : seq_tokens));
@@ -569,6 +685,10 @@ int Main() {
       }
       size_t next = 0;
       const bool spin = absl::GetFlag(FLAGS_spin);
+      std::unique_ptr<SliceCalls> slice_calls;
+      if (transport == "bytes" && !absl::GetFlag(FLAGS_protobuf_bytes)) {
+        slice_calls = std::make_unique<SliceCalls>(channels[c], decode, prefills);
+      }
       while (!stop.load()) {
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
@@ -576,6 +696,7 @@ int Main() {
         const auto start = Clock::now();
         const grpc::Status st =
             queue              ? QueueCall(*queue, decode, prefills, next, &resp)
+            : slice_calls      ? slice_calls->Call(&ctx, spin, &resp)
             : spin             ? SpinCall(*stubs[c], &ctx, decode, prefills, next, &resp)
             : prefills.empty() ? stubs[c]->Decode(&ctx, decode, &resp)
                                : stubs[c]->Prefill(&ctx, prefills[next++ % prefills.size()], &resp);

@@ -41,7 +41,9 @@ start_server() {  # extra flags...
   address=$(sed -n 's/^attnserve listening on //p' "$out/server.out")
   [ -n "$address" ] || { cat "$out/server.err"; exit 1; }
 }
-stop_server() { kill "$server"; wait "$server" || true; }
+stop_server() { kill "$server"; wait "$server" || true; server=""; }
+# A scenario that fails (set -e) must not leave its server running.
+trap '[ -z "$server" ] || kill "$server" 2>/dev/null || true' EXIT
 load() {  # name, loadgen flags...
   local name=$1
   shift
@@ -66,6 +68,11 @@ for t in "${transports[@]}"; do
   load "transport_${t}_prefill_8192_on_1024" --clients=1 --batch=1 --op=prefill \
     --context=1024 --prefill_tokens=8192 --append --transport="$t"
 done
+# The bytes path as a client on the generated stub pays it: protobuf copying every tensor into
+# and out of the messages (attn_loadgen sends them as slices of their own otherwise).
+load transport_bytes_protobuf_decode_b64 --clients=1 --batch=64 --transport=bytes --protobuf_bytes
+load transport_bytes_protobuf_prefill_8192_on_1024 --clients=1 --batch=1 --op=prefill \
+  --context=1024 --prefill_tokens=8192 --append --transport=bytes --protobuf_bytes
 # The fixed cost of a call: one sequence of one page, over shared memory.
 load transport_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm
 # The Python client on attn_loadgen's decode batch 64 (needs the client's grpcio and protobuf):

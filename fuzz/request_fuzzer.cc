@@ -155,13 +155,22 @@ struct Fixture {
     // kv_last_page_len {1}, kv_indices {0} (the owner's page 0), then qo_indptr {0, 1}.
     const int32_t table[] = {0, 1, 1, 0, 0, 1};
     std::memcpy(bytes + 1024, table, sizeof(table));
-    munmap(p, kRegionBytes);
+    mapping = bytes;  // kept: Restore writes the image back
+    image.assign(bytes, kRegionBytes);
     // Worlds map it by name; the name goes when the process exits normally.
     static std::string name = region.shm_name;
     std::atexit([] { shm_unlink(name.c_str()); });
   }
+  // Writes the region's first contents back. A call may write its output anywhere in the region,
+  // its header included (the caller's memory is the caller's), and every World maps the same
+  // object: without this, one such input would change what later inputs read and make every
+  // later World's registration fail.
+  void Restore() { std::memcpy(mapping, image.data(), image.size()); }
+
   std::vector<PoolGeometry> pools;
   RegionSpec region;
+  char* mapping = nullptr;  // the region, mapped here for the life of the process
+  std::string image;        // its contents as made
 };
 
 Fixture& GetFixture() {
@@ -195,7 +204,8 @@ class World {
     owner_handle_ = mine->handle;
     const Caller owner{owner_handle_, Principal{}};
     const Caller other{theirs->handle, Principal{}};
-    if (!engine_->RegisterRegion(owner, "r", GetFixture().region).ok()) Fail("fixture region");
+    if (auto st = engine_->RegisterRegion(owner, "r", GetFixture().region); !st.ok())
+      Fail("fixture region", st.status());
     for (const PoolGeometry& g : GetFixture().pools) {
       // Allocation hands out 0, 1, 2, ... first: the owner gets 0 .. n - 4.
       if (!engine_->AllocatePages(g.name, owner, g.num_pages - 1 - kOtherPages).ok() ||
@@ -397,6 +407,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     }
     RunOne(req, tensors, pool, merge);
+    if (req.has_output_to() || req.has_lse_to()) GetFixture().Restore();
   } else {
     v1::PrefillRequest req;
     if (!ReadAttentionRequest(pieces, &req, &tensors).ok()) {
@@ -404,6 +415,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       return 0;
     }
     RunOne(req, tensors, pool, merge);
+    if (req.has_output_to() || req.has_lse_to()) GetFixture().Restore();
   }
   return 0;
 }

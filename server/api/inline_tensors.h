@@ -5,6 +5,7 @@
 
 #include <array>
 
+#include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
 #include "server/engine/host_bytes.h"
 
@@ -28,6 +29,8 @@ class InlineTensors {
   const HostBytes& kpe_new() const { return of(8); }
   const HostBytes& of(int field) const { return data_[field - kFirstField]; }
   HostBytes& mutable_of(int field) { return data_[field - kFirstField]; }
+  // Every field's data, from kFirstField to kLastField.
+  absl::Span<HostBytes> mutable_all() { return absl::MakeSpan(data_); }
 
  private:
   std::array<HostBytes, kLastField - kFirstField + 1> data_;

@@ -94,7 +94,7 @@ class CpuLane final : public Lane {
                       std::vector<bf16>& dst) {
       dst.resize(rows * row.elements());
       GatherRows(calls, merged_, field, row.elements() * int64_t{sizeof(bf16)},
-                 reinterpret_cast<char*>(dst.data()));
+                 reinterpret_cast<char*>(dst.data()), workers_.MaxParallelism(), parallel_for_);
       in_elems += rows * row.elements();
       return dst.data();
     };
@@ -155,6 +155,10 @@ class CpuLane final : public Lane {
   const CpuPool& pool_;
   const Op op_;
   cpu::ThreadPool& workers_;
+  // Large gathers run on the workers too (GatherRows).
+  const ParallelFor parallel_for_ = [this](int64_t n, const std::function<void(int64_t)>& fn) {
+    workers_.ParallelFor(n, fn);
+  };
   // Scratch a large launch grew is given back after it, so one large call does not keep its
   // memory for the life of the process (OutputBuffers does the same for the outputs); the steady
   // state of ordinary calls allocates nothing.

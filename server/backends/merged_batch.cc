@@ -1,5 +1,7 @@
 #include "server/backends/merged_batch.h"
 
+#include <algorithm>
+
 namespace attn {
 
 void MergedBatch::Build(absl::Span<AttentionCall* const> calls) {
@@ -38,14 +40,50 @@ PagedBatch MergedBatch::View(Op op) const {
   return b;
 }
 
+void HostRun::CopyRange(char* dst, size_t lo, size_t hi) const {
+  // The first part that ends after lo (parts are in offset order).
+  auto it = std::upper_bound(parts_.begin(), parts_.end(), lo, [](size_t at, const Part& p) {
+    return at < p.offset + p.bytes->size();
+  });
+  for (; it != parts_.end() && it->offset < hi; ++it) {
+    const size_t from = std::max(lo, it->offset);
+    const size_t to = std::min(hi, it->offset + it->bytes->size());
+    if (to > from) it->bytes->CopyTo(dst + from, from - it->offset, to - from);
+  }
+}
+
+void CopyRun(const HostRun& run, char* dst, size_t lo, size_t hi, int threads,
+             const ParallelFor& parallel_for) {
+  if (hi <= lo) return;
+  const size_t bytes = hi - lo;
+  const int64_t pieces =
+      parallel_for ? std::min<int64_t>(std::max(threads, 1), bytes / kParallelCopyMinBytes) : 1;
+  if (pieces <= 1) return run.CopyRange(dst, lo, hi);
+  // Pieces of whole cache lines, the last one taking the remainder.
+  const size_t step = (bytes / pieces + 63) / 64 * 64;
+  parallel_for(pieces, [&](int64_t i) {
+    const size_t from = lo + static_cast<size_t>(i) * step;
+    run.CopyRange(dst, std::min(from, hi), i + 1 == pieces ? hi : std::min(from + step, hi));
+  });
+}
+
 void GatherRows(absl::Span<AttentionCall* const> calls, const MergedBatch& merged,
-                CallInput AttentionCall::*field, int64_t row_bytes, char* dst) {
+                CallInput AttentionCall::*field, int64_t row_bytes, char* dst, int threads,
+                const ParallelFor& parallel_for) {
+  HostRun run;
   for (size_t i = 0; i < calls.size(); ++i) {
     const CallInput& in = calls[i]->*field;
     // A call may have no query rows (every sequence with q_len 0): nothing to copy.
     if (in.bytes == 0) continue;
-    in.host.CopyTo(dst + merged.row_begin(i) * row_bytes);
+    const size_t at = static_cast<size_t>(merged.row_begin(i) * row_bytes);
+    // The calls' rows are adjacent; a gap (none today) only starts a run of its own.
+    if (!run.empty() && run.end() != at) {
+      CopyRun(run, dst, run.begin(), run.end(), threads, parallel_for);
+      run.Clear();
+    }
+    run.Add(at, &in.host);
   }
+  CopyRun(run, dst, run.begin(), run.end(), threads, parallel_for);
 }
 
 namespace {

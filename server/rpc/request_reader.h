@@ -1,14 +1,11 @@
-// Reads a Prefill or Decode request from the bytes of a gRPC message without copying its tensors.
+// Reads a Prefill or Decode request from the bytes of a gRPC message without copying its tensors
+// (tensor_message.h): the data of each Tensor field is left where it arrived (HostBytes pieces
+// pointing into the slices), everything else goes through protobuf's own parser.
 //
 // Protobuf's parser copies every `bytes` field into a string of its own (about 85 ms for an
 // 8192-token prefill's q on the H200 host, bench/RESULTS.md), and the backend then copies the
-// string again into its staging. This reader walks the message's wire format over its slices:
-// the data of each Tensor field is left where it arrived (HostBytes pieces pointing into the
-// slices) and everything else -- a few hundred bytes of scalars, shapes and page-table ints --
-// goes through protobuf's own parser, so the request means exactly what protobuf would make of
-// it (duplicate fields merge, the last `data` wins, unknown fields are ignored, strings must be
-// UTF-8). The Tensor messages in the parsed request carry dtype, shape and region; their data
-// is empty and `tensors` holds it instead.
+// string again into its staging. The Tensor messages in the parsed request carry dtype, shape
+// and region; their data is empty and `tensors` holds it instead.
 #pragma once
 
 #include <vector>
