@@ -4,41 +4,15 @@
 
 #include <cuda_runtime.h>
 
-#include <mutex>
-#include <vector>
-
-#include "kernels/cuda/api.h"
 #include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/api.h"
 
 namespace attn::cuda {
 
-// Lets `kernel` use `smem_bytes` of dynamic shared memory (beyond the default 48 KiB) on the
-// current device. The attribute is set once per (kernel, device, size): cudaFuncSetAttribute takes
-// the driver's lock on every call, host time that a launch of a few microseconds pays in full
-// while the GPU waits for it.
-inline cudaError_t AllowSharedMemoryOnce(const void* kernel, int smem_bytes) {
-  int device = 0;
-  ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  struct Allowed {
-    const void* kernel;
-    int device;
-    int bytes;
-  };
-  static std::mutex mu;
-  static std::vector<Allowed> allowed;  // a few dozen kernels at most
-  std::lock_guard<std::mutex> lock(mu);
-  for (const Allowed& a : allowed) {
-    if (a.kernel == kernel && a.device == device && a.bytes >= smem_bytes) return cudaSuccess;
-  }
-  ATTN_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  allowed.push_back({kernel, device, smem_bytes});
-  return cudaSuccess;
-}
-
+// Lets `kernel` use `smem_bytes` of dynamic shared memory (beyond the default 48 KiB).
 template <typename Kernel>
 cudaError_t AllowSharedMemory(Kernel kernel, int smem_bytes) {
-  return AllowSharedMemoryOnce(reinterpret_cast<const void*>(kernel), smem_bytes);
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
 }
 
 // Fills the tile shape and the occupancy of `kernel` (launched with `threads` and `smem_bytes`).
