@@ -362,35 +362,16 @@ class Client:
         table: TableLike,
         *,
         layer: int = 0,
-        pool: str = "",
-        q_pe: TensorLike | None = None,
-        k_new: TensorLike | None = None,
-        v_new: TensorLike | None = None,
-        ckv_new: TensorLike | None = None,
-        kpe_new: TensorLike | None = None,
-        sm_scale: float | None = None,
-        return_lse: bool = False,
         timeout: float | None = None,
+        **inputs: Any,
     ) -> PreparedCall:
         """Stages a "decode" or "prefill" call once for many runs (attnserve.prepared): the
         tensors given are copied into fixed slices of an arena, whose views the caller rewrites
-        between runs. Arguments as in prefill() / decode(); every tensor must go to an arena
-        (shared memory or CUDA IPC), else ValueError."""
+        between runs. inputs: the keyword arguments of prefill() / decode() (pool, q_pe, k_new,
+        v_new, ckv_new, kpe_new, sm_scale, return_lse); every tensor must go to an arena (shared
+        memory or CUDA IPC), else ValueError."""
         rpc = rpc_for(op)
-        request, tensors = attention_request(
-            rpc,
-            layer,
-            q,
-            table,
-            pool=pool,
-            q_pe=q_pe,
-            k_new=k_new,
-            v_new=v_new,
-            ckv_new=ckv_new,
-            kpe_new=kpe_new,
-            sm_scale=sm_scale,
-            return_lse=return_lse,
-        )
+        request, tensors = attention_request(rpc, layer, q, table, **inputs)
         return PreparedCall(self, rpc, self._stage(request, tensors, timeout))
 
     def _queue_for_call(self) -> CallQueue | None:
