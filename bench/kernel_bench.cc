@@ -5,10 +5,16 @@
 // two JSON files into bench/RESULTS.md's table.
 //
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,10]
-//                [--mla_variants 0,10] [--min_chunk KEYS] [--waves W] [--sequential_pages]
+//                [--mla_variants 0,10] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
+//                [--sequential_pages]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
+//
+// --min_chunk takes a list too (0: the kernel's own), measured for every variant.
+//
+// The variant lists name kernels (KernelTiling::variant) to measure side by side on each shape of
+// their family; each shape's batch is built once for all of them.
 //
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
 // difference is what scattered page reads cost a kernel.
@@ -20,6 +26,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <memory>
 #include <random>
 #include <regex>
@@ -57,7 +64,7 @@ struct Shape {
 
 struct Result {
   Shape shape;
-  int variant = -1;  // GQA prefill tile shape or MLA kernel (-1: default)
+  int variant = -1;  // GQA prefill tile shape, GQA decode variant or MLA kernel (-1: default)
   double median_us = 0, tflops = 0, tbps = 0;
   size_t items = 0;
   int chunk_len = 0;
@@ -164,23 +171,37 @@ double CopyTbps(void* flush, size_t flush_bytes) {
   return 2.0 * bytes / (us * 1e-6) / 1e12;
 }
 
-Result Measure(const Shape& s, int variant, const testing::PlanOverrides& overrides,
-               bool shuffle_pages, int runs, void* flush, size_t flush_bytes) {
+// A shape's host batch, built once for every variant measured on it.
+struct HostBatch {
+  testing::GqaHostBatch gqa;
+  testing::MlaHostBatch mla;
+};
+
+HostBatch MakeBatch(const Shape& s, bool shuffle_pages) {
   std::mt19937_64 rng(42);
   BatchOptions o;
   o.decode = s.decode;
   o.with_lse = true;
   o.extra_pages = 0;
   o.shuffle_pages = shuffle_pages;
-  std::unique_ptr<DeviceBatch> d;
+  HostBatch h;
   if (s.mla) {
     o.sm_scale = 0.1352337747812271f;
-    testing::MlaHostBatch h = testing::MakeMlaBatch({1, s.page_size, s.qo_heads}, s.seqs, o, rng);
-    CHECK_CUDA(DeviceBatch::Create(h, &d, variant, overrides));
+    h.mla = testing::MakeMlaBatch({1, s.page_size, s.qo_heads}, s.seqs, o, rng);
   } else {
-    testing::GqaHostBatch h =
+    h.gqa =
         testing::MakeGqaBatch({1, s.page_size, s.qo_heads, s.kv_heads, s.head_dim}, s.seqs, o, rng);
-    CHECK_CUDA(DeviceBatch::Create(h, &d, variant, overrides));
+  }
+  return h;
+}
+
+Result Measure(const Shape& s, HostBatch& h, int variant, const testing::PlanOverrides& overrides,
+               int runs, void* flush, size_t flush_bytes) {
+  std::unique_ptr<DeviceBatch> d;
+  if (s.mla) {
+    CHECK_CUDA(DeviceBatch::Create(h.mla, &d, variant, overrides));
+  } else {
+    CHECK_CUDA(DeviceBatch::Create(h.gqa, &d, variant, overrides));
   }
   Result r;
   r.shape = s;
@@ -200,7 +221,7 @@ int Main(int argc, char** argv) {
   std::string json, filter;
   int runs = 30;
   bool shuffle_pages = true;
-  std::vector<int> variants{-1}, mla_variants{-1};
+  std::vector<int> variants{-1}, mla_variants{-1}, decode_variants{-1};
   auto parse_list = [](const char* arg) {
     std::vector<int> list;
     std::stringstream in(arg);
@@ -208,6 +229,7 @@ int Main(int argc, char** argv) {
     return list;
   };
   testing::PlanOverrides overrides;
+  std::vector<int> min_chunks{0};  // 0: the kernel's own
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -219,18 +241,20 @@ int Main(int argc, char** argv) {
     else if (a == "--sequential_pages")
       shuffle_pages = false;
     else if (a == "--min_chunk" && i + 1 < argc)
-      overrides.min_chunk_len = std::atoi(argv[++i]);
+      min_chunks = parse_list(argv[++i]);
     else if (a == "--waves" && i + 1 < argc)
       overrides.target_waves = std::atof(argv[++i]);
     else if (a == "--prefill_variants" && i + 1 < argc)
       variants = parse_list(argv[++i]);
     else if (a == "--mla_variants" && i + 1 < argc)
       mla_variants = parse_list(argv[++i]);
+    else if (a == "--decode_variants" && i + 1 < argc)
+      decode_variants = parse_list(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
-                   "[--prefill_variants 0,10] [--mla_variants 0,10] [--min_chunk KEYS] "
-                   "[--waves W] [--sequential_pages]\n");
+                   "[--prefill_variants 0,10] [--mla_variants 0,10] [--decode_variants 0,1] "
+                   "[--min_chunk KEYS] [--waves W] [--sequential_pages]\n");
       return 2;
     }
   }
@@ -249,17 +273,41 @@ int Main(int argc, char** argv) {
               prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_tbps);
   std::printf("%-40s %10s %8s %7s %7s %7s %6s\n", "shape", "median_us", "TFLOP/s", "TB/s",
               "of_copy", "items", "chunk");
-  std::vector<Result> results;
+  std::vector<Shape> shapes;
   for (const Shape& s : Shapes()) {
-    if (!filter.empty() && !std::regex_search(s.name, std::regex(filter))) continue;
+    if (filter.empty() || std::regex_search(s.name, std::regex(filter))) shapes.push_back(s);
+  }
+  // The host batches of the next kBuildAhead shapes are built on threads of their own (a 1 GiB
+  // cache takes seconds to fill) while the GPU measures the current one; few enough that the
+  // launching thread keeps a core.
+  constexpr size_t kBuildAhead = 6;
+  std::vector<std::future<HostBatch>> batches(shapes.size());
+  std::vector<Result> results;
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    for (size_t b = si; b < std::min(si + kBuildAhead, shapes.size()); ++b) {
+      if (!batches[b].valid()) {
+        batches[b] = std::async(std::launch::async, MakeBatch, shapes[b], shuffle_pages);
+      }
+    }
+    const Shape& s = shapes[si];
     const bool has_variants = !s.mla && !s.decode && s.head_dim <= 128;
-    for (int v : s.mla ? mla_variants : has_variants ? variants : std::vector<int>{-1}) {
-      Result r = Measure(s, v, overrides, shuffle_pages, runs, flush, flush_bytes);
-      if (v > 0 || (s.mla && v == 0)) r.shape.name += "_v" + std::to_string(v);
-      std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(), r.median_us,
-                  r.tflops, r.tbps, 100.0 * r.tbps / copy_tbps, r.items, r.chunk_len);
-      std::fflush(stdout);
-      results.push_back(r);
+    const std::vector<int>& list = s.mla          ? mla_variants
+                                   : s.decode     ? decode_variants
+                                   : has_variants ? variants
+                                                  : std::vector<int>{-1};
+    HostBatch h = batches[si].get();
+    for (int v : list) {
+      for (int min_chunk : min_chunks) {
+        overrides.min_chunk_len = min_chunk;
+        Result r = Measure(s, h, v, overrides, runs, flush, flush_bytes);
+        if (v > 0 || (v == 0 && (s.mla || s.decode))) r.shape.name += "_v" + std::to_string(v);
+        if (min_chunks.size() > 1) r.shape.name += "_c" + std::to_string(min_chunk);
+        std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(),
+                    r.median_us, r.tflops, r.tbps, 100.0 * r.tbps / copy_tbps, r.items,
+                    r.chunk_len);
+        std::fflush(stdout);
+        results.push_back(r);
+      }
     }
   }
   if (!json.empty()) {
