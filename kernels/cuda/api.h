@@ -48,6 +48,15 @@ inline constexpr int kGqaPrefillSm90LeanSerialPersistent = 14;
 // rows: one or a few new tokens per sequence, where a 128-row prefill CTA is mostly padding.
 inline constexpr int kGqaPrefillOnDecodeKernel = 20;
 
+// GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
+// (kernels/cuda/gqa_decode.cu). The default (-1), and short prefills (kGqaPrefillOnDecodeKernel),
+// pick one by page size at launch: staged ids below 64 tokens a page.
+inline constexpr int kGqaDecodePageIdsPerTile = 0;  // each tile's page ids read from global memory
+inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead into shared memory
+inline constexpr bool IsGqaDecodeVariant(int v) {
+  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds;
+}
+
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
 // capability 9.0), of which the default (-1) selects kMlaSm90SplitS where they run
 // (kernels/cuda/sm90/mla_sm90.cu).

@@ -118,14 +118,15 @@ uint64_t Seed() {
 
 // The GQA prefill variants every run checks: the portable kernel, the sm_90a kernels that passed
 // on the H200 (the default is one of them) and the decode kernel, which the default takes for
-// short prefills (checked here on every prefill case, long ones included).
-const std::vector<int> kCheckedPrefillVariants = {0,
-                                                  cuda::kGqaPrefillSm90Serial,
-                                                  cuda::kGqaPrefillSm90Overlap,
-                                                  cuda::kGqaPrefillSm90LeanSerial,
-                                                  cuda::kGqaPrefillSm90LeanOverlap,
-                                                  cuda::kGqaPrefillSm90LeanSerialPersistent,
-                                                  cuda::kGqaPrefillOnDecodeKernel};
+// short prefills (checked here on every prefill case, long ones included); or those
+// ATTN_TEST_PREFILL_VARIANTS lists ("20": the decode kernel alone, after a change to it).
+const std::vector<int> kAllPrefillVariants = {0,
+                                              cuda::kGqaPrefillSm90Serial,
+                                              cuda::kGqaPrefillSm90Overlap,
+                                              cuda::kGqaPrefillSm90LeanSerial,
+                                              cuda::kGqaPrefillSm90LeanOverlap,
+                                              cuda::kGqaPrefillSm90LeanSerialPersistent,
+                                              cuda::kGqaPrefillOnDecodeKernel};
 
 // Those of `candidates` the entry points accept on this device (the portable kernels
 // everywhere, the sm_90a kernels on Hopper): get_tiling(&tiling) with tiling.variant set.
@@ -140,20 +141,36 @@ std::vector<int> AcceptedVariants(const std::vector<int>& candidates, GetTiling 
   return variants;
 }
 
+// The integers of a comma-separated list.
+std::vector<int> ParseList(const char* list) {
+  std::vector<int> out;
+  std::stringstream in(list);
+  for (std::string v; std::getline(in, v, ',');) out.push_back(std::stoi(v));
+  return out;
+}
+
+std::vector<int> CheckedPrefillVariants() {
+  const char* list = std::getenv("ATTN_TEST_PREFILL_VARIANTS");
+  return list ? ParseList(list) : kAllPrefillVariants;
+}
+
 std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidates) {
   return AcceptedVariants(
       candidates, [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, false, t); });
+}
+
+// The GQA decode variants every run checks (the default picks one of them by page size).
+std::vector<int> DecodeVariants(int head_dim) {
+  return AcceptedVariants(
+      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds},
+      [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, true, t); });
 }
 
 // The MLA kernels every run checks: the portable one and the sm_90a ones where they run, or
 // those ATTN_TEST_MLA_VARIANTS lists ("0,10": to bisect a failing variant on the GPU).
 std::vector<int> MlaVariants() {
   std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90, cuda::kMlaSm90SplitS};
-  if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
-    candidates.clear();
-    std::stringstream in(list);
-    for (std::string v; std::getline(in, v, ',');) candidates.push_back(std::stoi(v));
-  }
+  if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) candidates = ParseList(list);
   return AcceptedVariants(candidates,
                           [](cuda::KernelTiling* t) { return cuda::GetMlaTiling(16, false, t); });
 }
@@ -312,7 +329,7 @@ void GqaPrefillSweep(const std::vector<int>& candidates) {
   }
 }
 
-TEST_F(KernelTest, GqaPrefillSweep) { GqaPrefillSweep(kCheckedPrefillVariants); }
+TEST_F(KernelTest, GqaPrefillSweep) { GqaPrefillSweep(CheckedPrefillVariants()); }
 
 TEST_F(KernelTest, GqaDecodeSweep) {
   for (const GqaShape& s : kGqaShapes) {
@@ -321,7 +338,7 @@ TEST_F(KernelTest, GqaDecodeSweep) {
       for (const Case& c : DecodeCases()) {
         SCOPED_TRACE(::testing::Message() << s.qo << "/" << s.kv << " d" << s.dim << " page "
                                           << page_size << " " << c.name);
-        RunGqa(g, c);
+        RunGqa(g, c, DecodeVariants(s.dim));
       }
     }
   }
@@ -441,7 +458,7 @@ TEST_F(KernelTest, GqaOverflowIsNaN) {
   for (const GqaShape& s : {GqaShape{32, 8, 128}, GqaShape{16, 2, 64}, GqaShape{8, 1, 256}}) {
     const GqaGeometry g{1, 16, s.qo, s.kv, s.dim};
     SCOPED_TRACE(::testing::Message() << s.qo << "/" << s.kv << " d" << s.dim);
-    std::vector<int> variants = PrefillVariants(s.dim, kCheckedPrefillVariants);
+    std::vector<int> variants = PrefillVariants(s.dim, CheckedPrefillVariants());
     std::erase(variants, cuda::kGqaPrefillOnDecodeKernel);
     for (OverflowCase c : OverflowCases(false)) {
       RunGqaOverflow(g, c, variants);
@@ -450,7 +467,7 @@ TEST_F(KernelTest, GqaOverflowIsNaN) {
       if (c.name == "prefill_split_unseeing_rows") c.seqs = {{100, 90, 0}};
       RunGqaOverflow(g, c, {cuda::kGqaPrefillOnDecodeKernel});
     }
-    for (const OverflowCase& c : OverflowCases(true)) RunGqaOverflow(g, c, {-1});
+    for (const OverflowCase& c : OverflowCases(true)) RunGqaOverflow(g, c, DecodeVariants(s.dim));
   }
 }
 
@@ -479,14 +496,15 @@ TEST_F(KernelTest, GqaWorkloadShapes) {
   std::vector<int> lens64;
   for (int i = 0; i < 64; ++i) lens64.push_back(200 + rng() % 1600);  // ~64K tokens in all
   const GqaGeometry g16{1, 16, 32, 8, 128};
-  RunGqa(g16, {"decode_b1_16k", Decode({16384}), decode, 16});
-  RunGqa(g16, {"decode_b16", Decode(std::vector<int>(16, 3800)), decode, 32});
-  RunGqa({1, 1, 32, 8, 128}, {"decode_b64_page1", Decode(lens64), decode, 32});
-  RunGqa({1, 64, 32, 8, 128}, {"decode_b64_page64", Decode(lens64), decode, 32});
+  const std::vector<int> decode_variants = DecodeVariants(128);
+  RunGqa(g16, {"decode_b1_16k", Decode({16384}), decode, 16}, decode_variants);
+  RunGqa(g16, {"decode_b16", Decode(std::vector<int>(16, 3800)), decode, 32}, decode_variants);
+  RunGqa({1, 1, 32, 8, 128}, {"decode_b64_page1", Decode(lens64), decode, 32}, decode_variants);
+  RunGqa({1, 64, 32, 8, 128}, {"decode_b64_page64", Decode(lens64), decode, 32}, decode_variants);
 
   BatchOptions prefill;
   prefill.append = true;
-  const std::vector<int> variants = PrefillVariants(128, kCheckedPrefillVariants);
+  const std::vector<int> variants = PrefillVariants(128, CheckedPrefillVariants());
   RunGqa(g16, {"prefill_16384", {{16384, 16384, 0}}, prefill, 24}, variants);
   RunGqa({1, 64, 20, 4, 128}, {"chunk_1117_on_71488", {{1117, 71488 + 1117, 0}}, prefill, 6},
          variants);

@@ -7,6 +7,13 @@
 // softmax state; the warps' states are merged through shared memory at the end. Split-KV across
 // CTAs (the planner's chunks) lets a batch of one long sequence fill the GPU.
 //
+// Page tables: page size 1 reads one page id per key, and those reads miss L2 (the L2 holds K/V,
+// and the ids of the next tile are the next 256 bytes of the table). kGqaDecodePageIdsPerTile
+// reads a tile's ids from global memory one tile ahead, and every tile waits for them: at page
+// size 1 the kernel ran 0.80x of FlashInfer with contiguous pages as with scattered ones
+// (bench/RESULTS.md). kGqaDecodeStagedPageIds copies each tile's ids into shared memory with the
+// copies of the tile kStages before it, so that they have landed when the tile needs them.
+//
 // Prefills whose sequences each have at most 16 packed rows run here too
 // (kGqaPrefillOnDecodeKernel): the rows carry their causal limits, so nothing in the kernel is
 // decode-only, and a 128-row prefill CTA would be mostly padding.
@@ -22,13 +29,23 @@
 namespace attn::cuda {
 namespace {
 
+constexpr int kBlockM = 16;
+
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kBlockM = 16;
 constexpr int kBlockN = kWarps * 16;
 
-template <int kHeadDim, int kStages>
+// Stages: enough bytes in flight per SM to cover memory latency, with 2+ CTAs per SM where the
+// tiles allow (head_dim 128: 3 x 32 KiB K/V tiles + Q = 100 KiB per CTA).
+constexpr int StagesFor(int head_dim) { return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2; }
+
+// A variant's (api.h) tiles and how it finds its rows.
+template <int kHeadDim, int kVariant>
 struct DecodeTraits {
+  static constexpr int kStages = StagesFor(kHeadDim);
+  // Page ids through shared memory (PageIdStage).
+  static constexpr bool kStagedIds = kVariant == kGqaDecodeStagedPageIds;
+
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr bool kQInRegisters = kHeadDim <= 128;
@@ -42,19 +59,25 @@ struct DecodeTraits {
   static constexpr int kMergeBytes = kWarps * kBlockM * kMergeStride * 4 + Exchange::kBytes;
   static_assert(kMergeBytes <= kPipelineBytes);
   using Ring = RowOffsetRing<kBlockN>;
-  static constexpr int kSmemBytes =
-      kBlockM * kHeadDim * 2 + kPipelineBytes + static_cast<int>(sizeof(Ring));
+  // Tile T's ids come with the copies of tile T - kStages and are read when those have landed;
+  // the copy group issued then (tile T + kStages - 1's, with the ids of tile T + 2 kStages - 1)
+  // takes the slot of tile T - 1, whose ids were read a __syncthreads before: kStages slots.
+  using Ids = PageIdStage<kBlockN, kStages>;
+  static constexpr int kSmemBytes = kBlockM * kHeadDim * 2 + kPipelineBytes +
+                                    static_cast<int>(sizeof(Ring)) + static_cast<int>(sizeof(Ids));
 };
 
-template <int kHeadDim, int kStages>
+template <int kHeadDim, int kVariant>
 __global__ void __launch_bounds__(kThreads)
     GqaDecodeKernel(const GqaParams p, const WorkItem* __restrict__ items, const RowSink sink) {
-  using T = DecodeTraits<kHeadDim, kStages>;
+  using T = DecodeTraits<kHeadDim, kVariant>;
+  constexpr int kStages = T::kStages;
   using Tile = typename T::Tile;
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   bf16* s_kv = s_q + kBlockM * kHeadDim;  // stage s: K at 2 s, V at 2 s + 1 (tiles)
   auto* ring = reinterpret_cast<typename T::Ring*>(s_kv + kStages * 2 * T::kTileElems);
+  auto* ids = reinterpret_cast<typename T::Ids*>(ring + 1);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
@@ -72,10 +95,13 @@ __global__ void __launch_bounds__(kThreads)
   const bf16* v_base = rows.base + GqaValueOffset(p.cache);
 
   const int num_tiles = (item.kv_end - item.kv_begin + kBlockN - 1) / kBlockN;
-  auto lookup = [&](int t) {
-    return T::Ring::Lookup(rows, item.kv_begin + t * kBlockN, item.kv_end, tid);
-  };
-  // Issues tile t's copies from its ring slot (stored and synchronized before).
+  auto first_key = [&](int t) { return item.kv_begin + t * kBlockN; };
+  // Row offsets of tile t from the page table in global memory.
+  auto lookup = [&](int t) { return T::Ring::Lookup(rows, first_key(t), item.kv_end, tid); };
+  // The same from the ids staged in shared memory (T::kStagedIds; tile t's copy group done).
+  auto staged_lookup = [&](int t) { return ids->Lookup(rows, t, first_key(t), item.kv_end, tid); };
+  // Issues tile t's copies from its ring slot (stored and synchronized before), and with them
+  // those of tile t + kStages's page ids.
   auto load_tile = [&](int t) {
     if (t < num_tiles) {
       bf16* stage = s_kv + (t % kStages) * 2 * T::kTileElems;
@@ -83,15 +109,32 @@ __global__ void __launch_bounds__(kThreads)
       Tile::template LoadRows<kBlockN, kThreads>(stage + T::kTileElems, v_base, ring->Offsets(t),
                                                  tid);
     }
+    if constexpr (T::kStagedIds) {
+      ids->Fetch(rows, t + kStages, first_key(t + kStages), item.kv_end, tid);
+    }
     CommitAsyncGroup();  // empty groups keep the wait counts uniform
   };
+  if constexpr (T::kStagedIds) {
+    // The first tiles' page-table reads all in flight at once, not one after another.
+    int64_t first_offsets[kStages];
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {  // Q rides in the first group
-    ring->Store(s, lookup(s), tid);
-    __syncthreads();
-    load_tile(s);
+    for (int s = 0; s < kStages; ++s) first_offsets[s] = lookup(s);
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {  // Q rides in the first group
+      ring->Store(s, first_offsets[s], tid);
+      __syncthreads();
+      load_tile(s);
+    }
+    ring->Store(kStages - 1, first_offsets[kStages - 1], tid);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {  // Q rides in the first group
+      ring->Store(s, lookup(s), tid);
+      __syncthreads();
+      load_tile(s);
+    }
+    ring->Store(kStages - 1, lookup(kStages - 1), tid);
   }
-  ring->Store(kStages - 1, lookup(kStages - 1), tid);
 
   const int row_g = lane / 4;
   auto limit = [&](int r) {
@@ -109,7 +152,8 @@ __global__ void __launch_bounds__(kThreads)
     WaitAsyncGroups<kStages - 2>();
     __syncthreads();  // tile t visible; every warp is done with tile t - 1, whose stage refills
     load_tile(t + kStages - 1);
-    const int64_t next_offset = lookup(t + kStages);  // stored after this tile's math
+    // Stored after this tile's math. Staged: tile t + kStages's ids came with tile t's copies.
+    const int64_t next_offset = T::kStagedIds ? staged_lookup(t + kStages) : lookup(t + kStages);
     if constexpr (T::kQInRegisters) {
       if (t == 0) {
 #pragma unroll
@@ -196,10 +240,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int kHeadDim, int kStages>
+template <int kHeadDim, int kVariant>
 cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-  using T = DecodeTraits<kHeadDim, kStages>;
-  auto kernel = GqaDecodeKernel<kHeadDim, kStages>;
+  using T = DecodeTraits<kHeadDim, kVariant>;
+  auto kernel = GqaDecodeKernel<kHeadDim, kVariant>;
   ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kernel, T::kSmemBytes));
   const RowSink sink = RowSink::ForGqa(p, plan);
   const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
@@ -208,46 +252,81 @@ cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stre
   return cudaSuccess;
 }
 
-template <int kHeadDim, int kStages>
+template <int kHeadDim, int kVariant>
 cudaError_t Tiling(KernelTiling* tiling) {
-  using T = DecodeTraits<kHeadDim, kStages>;
+  using T = DecodeTraits<kHeadDim, kVariant>;
   // Measured on H200 (bench/RESULTS.md): batch 1 x 16384 keys ran 44 us with 256-key chunks,
   // 37 us with 512 (fewer CTAs and merge inputs, each CTA long enough to fill its pipeline).
   tiling->min_chunk_len = 512;
-  return DescribeKernel(GqaDecodeKernel<kHeadDim, kStages>, kThreads, T::kSmemBytes, kBlockM,
+  return DescribeKernel(GqaDecodeKernel<kHeadDim, kVariant>, kThreads, T::kSmemBytes, kBlockM,
                         kBlockN, tiling);
 }
 
-// Stages: enough bytes in flight per SM to cover memory latency, with 2+ CTAs per SM where the
-// tiles allow (head_dim 128: 3 x 32 KiB K/V tiles + Q = 100 KiB per CTA).
-constexpr int StagesFor(int head_dim) { return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2; }
+// Runs F<kHeadDim, kVariant>::Run(args...) for the head_dim and variant.
+template <template <int, int> class F, int kHeadDim, typename... Args>
+cudaError_t ForVariant(int variant, Args&&... args) {
+  switch (variant) {
+    case kGqaDecodePageIdsPerTile:
+      return F<kHeadDim, kGqaDecodePageIdsPerTile>::Run(args...);
+    case kGqaDecodeStagedPageIds:
+      return F<kHeadDim, kGqaDecodeStagedPageIds>::Run(args...);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <template <int, int> class F, typename... Args>
+cudaError_t Dispatch(int head_dim, int variant, Args&&... args) {
+  switch (head_dim) {
+    case 64:
+      return ForVariant<F, 64>(variant, args...);
+    case 128:
+      return ForVariant<F, 128>(variant, args...);
+    case 256:
+      return ForVariant<F, 256>(variant, args...);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <int kHeadDim, int kVariant>
+struct LaunchOf {
+  static cudaError_t Run(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+    return Launch<kHeadDim, kVariant>(p, plan, stream);
+  }
+};
+
+template <int kHeadDim, int kVariant>
+struct TilingOf {
+  static cudaError_t Run(KernelTiling* tiling) { return Tiling<kHeadDim, kVariant>(tiling); }
+};
+
+// The decode variant a plan's variant runs: its own, or for -1 and a short prefill's
+// kGqaPrefillOnDecodeKernel the default for the page size: staged page ids where a tile spans
+// several pages (page size 1: 64 ids a tile, read from DRAM), the page-table reads otherwise
+// (one id a tile, adjacent to the last one: 1-2% faster at page size 64 on the H200,
+// bench/RESULTS.md).
+int DecodeVariantOf(int variant, int page_size) {
+  if (IsGqaDecodeVariant(variant)) return variant;
+  return page_size < kBlockN ? kGqaDecodeStagedPageIds : kGqaDecodePageIdsPerTile;
+}
 
 }  // namespace
 
 cudaError_t LaunchGqaDecode(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-  switch (p.cache.head_dim) {
-    case 64:
-      return Launch<64, StagesFor(64)>(p, plan, stream);
-    case 128:
-      return Launch<128, StagesFor(128)>(p, plan, stream);
-    case 256:
-      return Launch<256, StagesFor(256)>(p, plan, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return Dispatch<LaunchOf>(p.cache.head_dim, DecodeVariantOf(plan.variant, p.cache.page_size), p,
+                            plan, stream);
 }
 
 cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
-  switch (head_dim) {
-    case 64:
-      return Tiling<64, StagesFor(64)>(tiling);
-    case 128:
-      return Tiling<128, StagesFor(128)>(tiling);
-    case 256:
-      return Tiling<256, StagesFor(256)>(tiling);
-    default:
-      return cudaErrorInvalidValue;
+  // -1 and a short prefill's kGqaPrefillOnDecodeKernel stay as they are: the launch picks the
+  // variant by page size (both variants have the same tiles and the same occupancy).
+  const int variant = tiling->variant;
+  if (variant >= 0 && !IsGqaDecodeVariant(variant) && variant != kGqaPrefillOnDecodeKernel) {
+    return cudaErrorInvalidValue;
   }
+  return Dispatch<TilingOf>(
+      head_dim, IsGqaDecodeVariant(variant) ? variant : kGqaDecodeStagedPageIds, tiling);
 }
 
 }  // namespace attn::cuda

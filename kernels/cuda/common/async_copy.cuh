@@ -13,8 +13,13 @@ __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
 // then not read, so it may point anywhere). Bypasses L1 (.cg): every byte is used once per CTA.
 __device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(dst)),
-               "l"(src), "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(dst)), "l"(src),
+               "r"(src_bytes));
+}
+
+// Copies 4 bytes from global `src` to shared `dst` (through L1: .cg takes only 16-byte copies).
+__device__ __forceinline__ void CopyAsync4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(SmemAddress(dst)), "l"(src));
 }
 
 __device__ __forceinline__ void CommitAsyncGroup() { asm volatile("cp.async.commit_group;\n" ::); }

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "kernels/attention.h"
+#include "kernels/cuda/common/async_copy.cuh"
 
 namespace attn::cuda {
 
@@ -29,17 +30,27 @@ struct PagedRowsOf {
   int page_size;
   int page_shift;  // log2(page_size) when it is a power of two, else -1
 
+  // The index into `pages` of token `key`'s page, and its slot there.
+  __device__ __forceinline__ void PageSlot(int key, int* page, int* slot) const {
+    if (page_shift >= 0) {
+      *page = key >> page_shift;
+      *slot = key & (page_size - 1);
+    } else {
+      *page = key / page_size;
+      *slot = key - *page * page_size;
+    }
+  }
+
+  // Elements from `base` to slot `slot` of page id `page_id`.
+  __device__ __forceinline__ int64_t OffsetIn(int32_t page_id, int slot) const {
+    return page_id * page_stride + static_cast<int64_t>(slot) * token_stride;
+  }
+
   // Elements from `base` to the row of token `key`.
   __device__ __forceinline__ int64_t Offset(int key) const {
     int page, slot;
-    if (page_shift >= 0) {
-      page = key >> page_shift;
-      slot = key & (page_size - 1);
-    } else {
-      page = key / page_size;
-      slot = key - page * page_size;
-    }
-    return pages[page] * page_stride + static_cast<int64_t>(slot) * token_stride;
+    PageSlot(key, &page, &slot);
+    return OffsetIn(pages[page], slot);
   }
 
   __device__ __forceinline__ Elem* Row(int key) const { return base + Offset(key); }
@@ -68,6 +79,41 @@ struct RowOffsetRing {
     if (tid < kRows) slot[tile & 1][tid] = offset;
   }
   __device__ __forceinline__ const int64_t* Offsets(int tile) const { return slot[tile & 1]; }
+};
+
+// The page ids of key tiles a CTA loads later, copied into shared memory by cp.async in an
+// earlier tile's copy group, so that a tile's row offsets come from shared memory instead of a
+// page-table read from global memory whose latency each tile would wait for (page size 1 reads
+// one id per key, and after the first tile of a sequence every such read misses L2). Tile T's ids
+// live in slot T % kSlots; a tile's ids span at most kKeys pages (page size 1).
+template <int kKeys, int kSlots>
+struct PageIdStage {
+  int32_t ids[kSlots][kKeys];
+
+  // Issues the copies of the ids of the pages that keys [first_key, min(first_key + kKeys,
+  // end_key)) live in (threads tid < kKeys, one id each); nothing when first_key >= end_key.
+  __device__ __forceinline__ void Fetch(const PagedRows& rows, int tile, int first_key, int end_key,
+                                        int tid) {
+    if (tid >= kKeys || first_key >= end_key) return;
+    int first_page, last_page, slot;
+    rows.PageSlot(first_key, &first_page, &slot);
+    rows.PageSlot(min(first_key + kKeys, end_key) - 1, &last_page, &slot);
+    if (tid <= last_page - first_page) {
+      CopyAsync4(&ids[tile % kSlots][tid], rows.pages + first_page + tid);
+    }
+  }
+
+  // The row offset of key first_key + tid (threads tid < kKeys) from the ids Fetch copied for
+  // this tile (complete and synchronized before), as RowOffsetRing::Lookup computes it.
+  __device__ __forceinline__ int64_t Lookup(const PagedRows& rows, int tile, int first_key,
+                                            int end_key, int tid) const {
+    const int key = first_key + tid;
+    if (tid >= kKeys || key >= end_key) return -1;
+    int first_page, page, slot;
+    rows.PageSlot(first_key, &first_page, &slot);
+    rows.PageSlot(key, &page, &slot);
+    return rows.OffsetIn(ids[tile % kSlots][page - first_page], slot);
+  }
 };
 
 // K rows of one KV head of a sequence in a GQA cache; its V rows start GqaValueOffset(cache)
