@@ -23,6 +23,7 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   c.cta_slots = tiling.num_sms * tiling.ctas_per_sm;
   c.min_chunk_len = tiling.min_chunk_len;
   c.waves_before_split = tiling.waves_before_split;
+  c.no_split_fill = tiling.no_split_fill;
   c.causal = causal;
   c.max_partial_rows = max_partial_rows;
   return c;

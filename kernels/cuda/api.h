@@ -76,6 +76,7 @@ struct KernelTiling {
   // PlanConfig::waves_before_split: a kernel of few, long CTAs per SM splits only when a launch
   // would not fill the GPU once.
   double waves_before_split = 2.0;
+  double no_split_fill = 0;  // PlanConfig::no_split_fill
 };
 
 // Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA

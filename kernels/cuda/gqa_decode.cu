@@ -258,6 +258,9 @@ cudaError_t Tiling(KernelTiling* tiling) {
   // Measured on H200 (bench/RESULTS.md): batch 1 x 16384 keys ran 44 us with 256-key chunks,
   // 37 us with 512 (fewer CTAs and merge inputs, each CTA long enough to fill its pipeline).
   tiling->min_chunk_len = 512;
+  // Batch 64 x 4096 (32/8 heads: 512 CTAs, 1.94 waves) ran 268 us unsplit and 277 us in 2048-key
+  // chunks at page size 1 on the H200 (bench/RESULTS.md).
+  tiling->no_split_fill = 0.9;
   return DescribeKernel(GqaDecodeKernel<kHeadDim, kVariant>, kThreads, T::kSmemBytes, kBlockM,
                         kBlockN, tiling);
 }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <queue>
 
 namespace attn {
 namespace {
@@ -39,11 +41,36 @@ int64_t PartialRows(const PlanConfig& c, const int32_t* q_lens, const int32_t* k
   return rows;
 }
 
+// The share of cta_slots x makespan the unsplit tiles keep busy: each tile's CTAs (one per KV
+// head) go longest first to the slot that frees up first, each lasting its visible keys.
+double UnsplitFill(const PlanConfig& c, std::vector<Tile> tiles) {
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const Tile& a, const Tile& b) { return a.visible > b.visible; });
+  std::priority_queue<int64_t, std::vector<int64_t>, std::greater<int64_t>> free_at;
+  for (int s = 0; s < c.cta_slots; ++s) free_at.push(0);
+  int64_t busy = 0, makespan = 0;
+  for (const Tile& t : tiles) {
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      const int64_t end = free_at.top() + t.visible;
+      free_at.pop();
+      free_at.push(end);
+      busy += t.visible;
+      makespan = std::max(makespan, end);
+    }
+  }
+  return makespan == 0 ? 1.0
+                       : static_cast<double>(busy) / (static_cast<double>(c.cta_slots) * makespan);
+}
+
 // Keys per chunk, or 0 to leave every sequence whole.
 int ChooseChunkLen(const PlanConfig& c, const std::vector<Tile>& tiles, const int32_t* q_lens,
                    const int32_t* kv_lens, int batch_size) {
   const double unsplit_ctas = static_cast<double>(tiles.size()) * c.num_kv_heads;
   if (unsplit_ctas >= c.cta_slots * c.waves_before_split) return 0;
+  if (c.no_split_fill > 0 && unsplit_ctas >= c.cta_slots &&
+      UnsplitFill(c, tiles) >= c.no_split_fill) {
+    return 0;
+  }
   int64_t work = 0;
   int max_visible = 0;
   for (const Tile& t : tiles) {

@@ -133,6 +133,29 @@ TEST(PlanTest, LargeDecodeBatchSplitsOnlyToFillTheGpu) {
   ExpectPlanCovers(c, whole, q2, kv2);
 }
 
+TEST(PlanTest, FullWavesStayUnsplitWhenTheKernelSaysSo) {
+  // 64 x 4096 at 32/8 heads: 512 CTAs keep 97% of 2 waves of 264 slots busy.
+  PlanConfig c = DecodeConfig(4, 8);
+  c.no_split_fill = 0.9;
+  std::vector<int32_t> q(64, 1), kv(64, 4096);
+  const AttentionPlan whole = PlanAttention(c, q.data(), kv.data(), 64);
+  EXPECT_EQ(whole.chunk_len, 0);
+  EXPECT_TRUE(whole.merges.empty());
+  ExpectPlanCovers(c, whole, q, kv);
+
+  // 37 sequences: 296 CTAs leave the second wave nearly empty (56% busy): split.
+  std::vector<int32_t> q37(37, 1), kv37(37, 4096);
+  EXPECT_GT(PlanAttention(c, q37.data(), kv37.data(), 37).chunk_len, 0);
+
+  // As many CTAs as the first case, but one sequence of 16384 keys among short ones: its 8 CTAs
+  // would run alone long after the rest (9% busy): split.
+  std::vector<int32_t> kv_long(64, 512);
+  kv_long[0] = 16384;
+  const AttentionPlan split = PlanAttention(c, q.data(), kv_long.data(), 64);
+  EXPECT_GT(split.chunk_len, 0);
+  ExpectPlanCovers(c, split, q, kv_long);
+}
+
 TEST(PlanTest, SingleLongSequenceSpreadsOverTheGpu) {
   PlanConfig c = DecodeConfig(4, 8);
   std::vector<int32_t> q{1}, kv{16384};
