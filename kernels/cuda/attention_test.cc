@@ -148,7 +148,9 @@ std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidate
 // The MLA kernels every run checks: the portable one and the sm_90a ones where they run, or
 // those ATTN_TEST_MLA_VARIANTS lists ("0,10": to bisect a failing variant on the GPU).
 std::vector<int> MlaVariants() {
-  std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90, cuda::kMlaSm90SplitS};
+  std::vector<int> candidates = {cuda::kMlaPortable,      cuda::kMlaSm90,
+                                 cuda::kMlaSm90SplitS,    cuda::kMlaSm90Seesaw,
+                                 cuda::kMlaSm90SplitSTma, cuda::kMlaSm90SeesawTma};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates.clear();
     std::stringstream in(list);
