@@ -63,6 +63,11 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 inline constexpr int kMlaPortable = 0;
 inline constexpr int kMlaSm90 = 10;        // 64-key tiles, two stages
 inline constexpr int kMlaSm90SplitS = 11;  // the same, S in two chains of k-steps
+inline constexpr int kMlaSm90Seesaw = 12;  // both consumers compute S, for alternate tiles
+// 11 and 12 with whole key tiles by TMA where the page size is a multiple of 64 (elsewhere the
+// same as 11 and 12).
+inline constexpr int kMlaSm90SplitSTma = 13;
+inline constexpr int kMlaSm90SeesawTma = 14;
 
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {

@@ -169,7 +169,9 @@ std::vector<int> DecodeVariants(int head_dim) {
 // The MLA kernels every run checks: the portable one and the sm_90a ones where they run, or
 // those ATTN_TEST_MLA_VARIANTS lists ("0,10": to bisect a failing variant on the GPU).
 std::vector<int> MlaVariants() {
-  std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90, cuda::kMlaSm90SplitS};
+  std::vector<int> candidates = {cuda::kMlaPortable,      cuda::kMlaSm90,
+                                 cuda::kMlaSm90SplitS,    cuda::kMlaSm90Seesaw,
+                                 cuda::kMlaSm90SplitSTma, cuda::kMlaSm90SeesawTma};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) candidates = ParseList(list);
   return AcceptedVariants(candidates,
                           [](cuda::KernelTiling* t) { return cuda::GetMlaTiling(16, false, t); });

@@ -1,4 +1,4 @@
-// Hopper (sm_90a) building blocks in PTX: mbarriers, cp.async that completes on an mbarrier,
+// Hopper (sm_90a) building blocks in PTX: mbarriers, cp.async that completes on an mbarrier, TMA,
 // the generic-to-async proxy fence, register reallocation between warpgroups and the shared
 // memory matrix descriptors wgmma reads its operands through (kernels/cuda/sm90/wgmma.cuh).
 //
@@ -46,7 +46,26 @@ __device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
+// An arrival of the calling thread that also expects `bytes` more of asynchronous copies (TMA)
+// to complete on the barrier before its phase can.
+__device__ __forceinline__ void BarrierArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
 // ---- copies and fences.
+
+// TMA: the box of a 2-D tensor map at element coordinates (c0 innermost, c1) into shared memory
+// at dst, in the map's swizzle, completing its bytes on the mbarrier bar. `map` is the address
+// of a __grid_constant__ CUtensorMap kernel parameter.
+__device__ __forceinline__ void TmaLoad2d(uint32_t dst, const void* map, int c0, int c1,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
 
 // 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read).
 __device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, bool valid) {

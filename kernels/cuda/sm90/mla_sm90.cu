@@ -20,6 +20,10 @@
 //   S of tile t + 1, so tile t's stage is refilled while S of tile t + 1 and its softmax run.
 // Split variant (kSplitS): S accumulates even and odd k-steps into two accumulators, two
 // independent chains of 18 wgmmas instead of one of 36, added once the GEMM is done.
+// Seesaw variant (kSeesaw, ConsumeSeesawA/B below): both consumers compute S, for alternate
+// tiles. TMA option (kTma): whole tiles by TMA where the page size allows. Both measured, neither
+// the default (bench/RESULTS.md): the seesaw holds each pair's second tile until the pair's end,
+// so with two stages its next S waits for copies that could only start then.
 // Measured and dropped (bench/RESULTS.md): 32-key tiles in four stages (deeper prefetch, but the
 // narrower S reads Q twice as often), and cluster pairs that copied each tile from L2 once for
 // both halves of a 128-head decode: both slower.
@@ -27,8 +31,10 @@
 // never the slot itself, which may hold NaN). Causal block skipping is the planner's; masking
 // runs only on tiles that cross a row's limit. Split-KV items write float32 partials through the
 // common epilogue for the merge kernel.
+#include <cuda.h>  // CUtensorMap (the driver entry point is looked up at run time)
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <type_traits>
 
 #include "kernels/cuda/common/cuda_check.h"
@@ -58,33 +64,54 @@ constexpr int kQPasses = kBlockM / kRowsPerPass;
 constexpr int kRowFloats = 3 * kBlockM;  // per row: rescale factor, final max, final sum
 
 // Registers per lane at launch (the most __launch_bounds__(kThreads, 1) leaves), which setmaxnreg
-// redistributes: 128 x (56 + 240 + 208) = 384 x 168.
+// redistributes among the three warpgroups (Traits: 128 x (56 + 240 + 208) = 384 x 168).
 constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-constexpr int kProducerRegisters = 56;
-constexpr int kScoreRegisters = 240;
-constexpr int kSecondRegisters = 208;
-constexpr int kPoolRegisters = 128 * (kProducerRegisters + kScoreRegisters + kSecondRegisters);
-static_assert(kPoolRegisters <= kThreads * kLaunchRegisters);
 
 // Named barriers between the consumers (each counts both warpgroups' 256 threads).
 constexpr int kPFullBarrier = 1;   // P and the rescale factors of a tile are in shared memory
 constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
+// The seesaw schedule's (ConsumeSeesawA/B), one arrival and one wait per key-tile pair each.
+constexpr int kMaxABarrier = 1;    // the rows' maxima after tile a and P_a are in shared memory
+constexpr int kMaxBBarrier = 2;    // ... after tile b, and P_b
+constexpr int kPaFreeBarrier = 3;  // warpgroup B is done reading P_a
+constexpr int kSumsBarrier = 4;    // each warpgroup's final row sums are in shared memory
 
-// One kernel instance: the key tile, the ring's depth and how S accumulates.
-template <int kBlockN_, int kStages_, bool kSplitS_>
+// One kernel instance: the key tile, the ring's depth, how S accumulates and which consumer
+// schedule runs (kSeesaw: ConsumeSeesawA/B; otherwise ConsumeScores/ConsumeSecond).
+template <int kBlockN_, int kStages_, bool kSplitS_, bool kSeesaw_ = false, bool kTma_ = false>
 struct Traits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kSplitS = kSplitS_;
+  static constexpr bool kSeesaw = kSeesaw_;
+  // Key tiles that lie whole in one page and inside the item's range come by TMA (one thread,
+  // 9 boxes of 64 rows x 128 bytes) where the page size is a multiple of 64; the rest by
+  // cp.async (page size 1 puts every row on its own page; a range's last, partial tile copies
+  // its last key into the rows past the range, never the slots themselves, which may hold NaN).
+  static constexpr bool kTma = kTma_;
+  static_assert(!kSeesaw || (kStages == 2 && kBlockN == 64 && !kSplitS),
+                "the seesaw pairs tiles over two stages; Q's rope block fragments and P are 64 "
+                "keys wide");
+  // setmaxnreg's split (ptxas spills nothing at these): the seesaw consumers each hold a
+  // 64 x 256 accumulator, S, P and Q's rope block; the score warpgroup of the other schedule
+  // holds S twice (kSplitS) and its partner neither.
+  static constexpr int kProducerRegisters = kSeesaw ? 48 : 56;
+  static constexpr int kFirstRegisters = kSeesaw ? 232 : 240;
+  static constexpr int kSecondRegisters = kSeesaw ? 224 : 208;
+  static constexpr int kPoolRegisters =
+      128 * (kProducerRegisters + kFirstRegisters + kSecondRegisters);
+  static_assert(kPoolRegisters <= kThreads * kLaunchRegisters);
   static constexpr int kNTiles = kBlockN / 8;        // score fragments
   static constexpr int kPSteps = kBlockN / 16;       // k-steps of P V
   static constexpr int kBlockBytes = kBlockN * 128;  // one column block of a key tile
   static constexpr int kTileBytes = kColumnBlocks * kBlockBytes;
   static constexpr int kKvPasses = kBlockN / kRowsPerPass;
   // Q's, one per column block of each stage (S starts on a tile's first block while the others
-  // are in flight), and each stage's release.
-  static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages;
+  // are in flight), and each stage's release (kSeesaw: of each half, V's left columns [0, 256)
+  // and the rest, which different warpgroups finish with).
+  static constexpr int kReleases = kSeesaw ? 2 : 1;
+  static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
   static constexpr int kSmemBytes =
       1024 + kQBytes + kStages * kTileBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers;
@@ -93,6 +120,8 @@ struct Traits {
 
 // Shared-memory map: Q, the key stages, P, the row floats, then the mbarriers. Addresses for the
 // PTX instructions (32-bit shared window) and a generic pointer for ordinary loads and stores.
+// The seesaw schedule has two P tiles: P() is tile a's, and tile b's overlays Q's rope block
+// (column block 8), which its consumers keep in registers from the start (PbOverQ).
 template <typename T>
 struct Smem {
   uint32_t base;       // 1024-byte aligned
@@ -111,9 +140,15 @@ struct Smem {
   __device__ uint32_t KvFull(int stage, int cb) const {
     return Barrier(1 + stage * kColumnBlocks + cb);
   }
-  __device__ uint32_t KvEmpty(int stage) const {
-    return Barrier(1 + T::kStages * kColumnBlocks + stage);
+  __device__ uint32_t KvEmpty(int stage, int half = 0) const {
+    return Barrier(1 + T::kStages * kColumnBlocks + stage * T::kReleases + half);
   }
+  // The seesaw's.
+  __device__ uint32_t PbOverQ() const { return Q() + (kColumnBlocks - 1) * kQBlockBytes; }
+  __device__ unsigned char* PbPtr() const { return ptr + (PbOverQ() - base); }
+  __device__ const unsigned char* QRopePtr() const { return PbPtr(); }
+  __device__ float* RowMax() const { return Rows(); }             // [kBlockM]
+  __device__ float* RowSums() const { return Rows() + kBlockM; }  // [2][kBlockM]
 };
 
 struct Work {
@@ -126,7 +161,7 @@ struct Work {
 // Warpgroup 0: all copies into shared memory.
 template <typename T>
 __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const Smem<T>& s,
-                                        int tid) {
+                                        const CUtensorMap& kv_map, bool use_tma, int tid) {
   constexpr int kBlockN = T::kBlockN;
   const int chunk = tid % 8;  // this lane's 16 bytes of each 128-byte column block
   const int row0 = tid / 8;   // its rows: row0 + 16 i, all with the same swizzle phase
@@ -159,20 +194,61 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   };
   int64_t offset[T::kKvPasses];
   lookup(0, offset);
+  const int page_size = p.cache.page_size;
+  const bool tma = use_tma && page_size % T::kBlockN == 0 && w.item.kv_begin % T::kBlockN == 0;
+  const int layer_row0 = w.seq.layer * p.cache.num_pages * page_size;  // the map's rows
   for (int t = 0; t < w.num_tiles; ++t) {
     const int stage = t % T::kStages;
     int64_t next[T::kKvPasses];
     lookup(t + 1, next);  // the page-table reads fly while this tile is issued
-    BarrierWait(s.KvEmpty(stage), ((t / T::kStages) & 1) ^ 1);
+    const uint32_t empty_parity = ((t / T::kStages) & 1) ^ 1;
     const uint32_t dst = s.Kv(stage) + lane_offset;
+    const int key0 = w.item.kv_begin + t * kBlockN;
+    const bool by_tma = tma && key0 + kBlockN <= w.item.kv_end;
+    const int row =
+        by_tma ? layer_row0 + rows.pages[key0 / page_size] * page_size + key0 % page_size : 0;
+    // Column blocks [first, end), each completing on its own barrier in the order S reads them.
+    auto copy_blocks = [&](auto first, auto end) {
 #pragma unroll
-    for (int cb = 0; cb < kColumnBlocks; ++cb) {
+      for (int cb = decltype(first)::value; cb < decltype(end)::value; ++cb) {
+        if (by_tma) {
+          // The barrier still counts 128 arrivals: one of them brings the box's bytes.
+          if (tid == 0) {
+            BarrierArriveExpectTx(s.KvFull(stage, cb), T::kBlockBytes);
+            TmaLoad2d(s.Kv(stage) + cb * T::kBlockBytes, &kv_map, cb * 64, row,
+                      s.KvFull(stage, cb));
+          } else {
+            BarrierArrive(s.KvFull(stage, cb));
+          }
+        } else {
 #pragma unroll
-      for (int i = 0; i < T::kKvPasses; ++i) {
-        CopyAsync16(dst + cb * T::kBlockBytes + i * kRowsPerPass * 128,
-                    rows.base + offset[i] + chunk * 8 + cb * 64);
+          for (int i = 0; i < T::kKvPasses; ++i) {
+            CopyAsync16(dst + cb * T::kBlockBytes + i * kRowsPerPass * 128,
+                        rows.base + offset[i] + chunk * 8 + cb * 64);
+          }
+          BarrierArriveOnCopies(s.KvFull(stage, cb));
+        }
       }
-      BarrierArriveOnCopies(s.KvFull(stage, cb));  // block cb, in the order S reads them
+    };
+    using Zero = std::integral_constant<int, 0>;
+    using Half = std::integral_constant<int, kHalfCols / 64>;
+    using All = std::integral_constant<int, kColumnBlocks>;
+    if constexpr (!T::kSeesaw) {
+      BarrierWait(s.KvEmpty(stage), empty_parity);
+      copy_blocks(Zero(), All());
+    } else if (t % 2 == 0) {
+      // Tile a: warpgroup A releases V's left columns first (and reads them first).
+      BarrierWait(s.KvEmpty(stage, 0), empty_parity);
+      copy_blocks(Zero(), Half());
+      BarrierWait(s.KvEmpty(stage, 1), empty_parity);
+      copy_blocks(Half(), All());
+    } else {
+      // Tile b: warpgroup B releases the right half just before its S of this tile, which
+      // starts there (IssueScoresRopeInRegisters' rotation).
+      BarrierWait(s.KvEmpty(stage, 1), empty_parity);
+      copy_blocks(Half(), All());
+      BarrierWait(s.KvEmpty(stage, 0), empty_parity);
+      copy_blocks(Zero(), Half());
     }
 
 #pragma unroll
@@ -189,9 +265,68 @@ __device__ __forceinline__ void WaitFull(const Smem<T>& s, int t, int cb) {
 }
 
 template <typename T>
-__device__ __forceinline__ void Release(const Smem<T>& s, int t, int lane) {
-  if (lane == 0) BarrierArrive(s.KvEmpty(t % T::kStages));  // one arrival per consumer warp
+__device__ __forceinline__ void Release(const Smem<T>& s, int t, int lane, int half = 0) {
+  if (lane == 0) BarrierArrive(s.KvEmpty(t % T::kStages, half));  // one arrival per consumer warp
 }
+
+// A 64 x 64 bf16 tile in one swizzled column block (Q's rope block, P) as mma A fragments: the
+// lane's word of row r, 8-column chunk c (k-step c / 2, half c % 2).
+__device__ __forceinline__ uint32_t* FragmentWord(unsigned char* tile, int r, int c, int lane) {
+  return reinterpret_cast<uint32_t*>(tile + r * 128 + ((c ^ (r & 7)) << 4) + (lane & 3) * 4);
+}
+
+template <int kSteps>
+__device__ __forceinline__ void StoreFragments(unsigned char* tile, const uint32_t (&a)[kSteps][4],
+                                               int row_g, int lane) {
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *FragmentWord(tile, row_g + 8 * x, 2 * ks + h, lane) = a[ks][2 * h + x];
+    }
+  }
+}
+
+template <int kSteps>
+__device__ __forceinline__ void LoadFragments(const unsigned char* tile, uint32_t (&a)[kSteps][4],
+                                              int row_g, int lane) {
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        a[ks][2 * h + x] =
+            *FragmentWord(const_cast<unsigned char*>(tile), row_g + 8 * x, 2 * ks + h, lane);
+      }
+    }
+  }
+}
+
+// A consumer lane's rows (row_g, row_g + 8) and how far each sees into the item's keys.
+struct RowLimits {
+  int row_g;
+  int limit_g, limit_g8;
+  int warp_min_limit;  // the warp's first row's: rows further down see more keys
+
+  __device__ __forceinline__ RowLimits(const MlaParams& p, const Work& w, int warp, int lane) {
+    row_g = 16 * warp + lane / 4;
+    auto limit = [&](int r) {
+      return min(VisibleKeys(w.seq, (w.item.row_begin + r) / p.num_heads, p.causal), w.item.kv_end);
+    };
+    limit_g = limit(row_g);
+    limit_g8 = limit(row_g + 8);
+    warp_min_limit = limit(16 * warp);
+  }
+
+  // Masks a tile of scores whose first key is n0 where it crosses a row's limit.
+  template <int kNTiles>
+  __device__ __forceinline__ void Mask(float (&acc)[kNTiles][4], int n0, int lane) const {
+    if (n0 + 8 * kNTiles > warp_min_limit) MaskScores(acc, n0, lane, limit_g, limit_g8);
+  }
+};
 
 // O[:, col0 : col0 + 256] B operand of k-step ks: keys [16 ks, 16 ks + 16) of a stage.
 template <typename T>
@@ -211,12 +346,8 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
                                               int ctid, const RowSink& sink) {
   constexpr int kBlockN = T::kBlockN;
   const int warp = ctid / 32, lane = ctid % 32;
-  const int row_g = 16 * warp + lane / 4;  // this lane's rows: row_g and row_g + 8
-  auto limit = [&](int r) {
-    return min(VisibleKeys(w.seq, (w.item.row_begin + r) / p.num_heads, p.causal), w.item.kv_end);
-  };
-  const int limit_g = limit(row_g), limit_g8 = limit(row_g + 8);
-  const int warp_min_limit = limit(16 * warp);  // rows further down see more keys
+  const RowLimits rows(p, w, warp, lane);
+  const int row_g = rows.row_g;  // this lane's rows: row_g and row_g + 8
   const float scale_log2 = p.sm_scale * kLog2e;
 
   float o[kDTiles][4] = {};
@@ -265,26 +396,15 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     }
   };
   auto softmax_tile = [&](int t) {
-    const int n0 = w.item.kv_begin + t * kBlockN;
-    if (n0 + kBlockN > warp_min_limit) MaskScores(acc, n0, lane, limit_g, limit_g8);
+    rows.Mask(acc, w.item.kv_begin + t * kBlockN, lane);
     softmax.Update(acc, scale_log2, alpha);
   };
   // P (bf16, swizzled K-major like Q) and the rows' factors for warpgroup 2.
   auto publish_p = [&] {
-    unsigned char* tile = s.PPtr();
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const int r = row_g + 8 * x;
-#pragma unroll
-      for (int ks = 0; ks < T::kPSteps; ++ks) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int c = 2 * ks + h;  // 8-key chunk
-          *reinterpret_cast<uint32_t*>(tile + r * 128 + ((c ^ (r & 7)) << 4) + (lane & 3) * 4) =
-              pf[ks][2 * h + x];
-        }
-      }
-      if ((lane & 3) == 0) s.Alpha()[r] = alpha[x];
+    StoreFragments(s.PPtr(), pf, row_g, lane);
+    if ((lane & 3) == 0) {
+      s.Alpha()[row_g] = alpha[0];
+      s.Alpha()[row_g + 8] = alpha[1];
     }
     FenceProxyAsync();  // P's ordinary stores before warpgroup 2's wgmma reads them
   };
@@ -390,9 +510,315 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kHalfCols, lane, false);
 }
 
+// ---- The seesaw schedule (FlashMLA's idea, bench/RESULTS.md): key tiles in pairs, a = 2 i
+// (stage 0) and b = 2 i + 1 (stage 1). Warpgroup A computes S of tile a and owns O[:, 0:256];
+// warpgroup B computes S of tile b and owns O[:, 256:512]. The rows' running maximum lives in
+// shared memory: A folds tile a's maxima into it, then B tile b's. Per pair:
+//   A: softmax of S_a, P_a to shared memory     B: (its S_b GEMM finishing)
+//   A: O_L += P_a V_aL                          B: O_R to a's maxima, O_R += P_a V_aR, and under
+//                                                  that GEMM the softmax of S_b, P_b to shared
+//                                                  memory
+//   A: O_L to b's maxima, O_L += P_b V_bL,      B: O_R to b's maxima, O_R += P_b V_bR,
+//      S of tile a + 2                             S of tile b + 2
+// so each warpgroup's softmax runs while GEMMs keep the tensor cores busy. Each keeps its share
+// of the row sums (its own tiles' p), added once at the end. Both S GEMMs take Q's rope block
+// (k-steps 32-35) from registers: the freed shared memory holds P_b. Stage halves are released
+// by the warpgroup that reads them last (A: V's left columns; B: the rest), so the next tile's
+// left half is copied while B still reads the right one.
+
+// S = Q K^T of tile t: column blocks [kFirst, kEnd) of the order that starts at block kRotate,
+// each waited for as it is needed; both operands in shared memory except Q's rope block (8),
+// whose fragments are in registers.
+template <typename T, int kFirst = 0, int kEnd = kColumnBlocks, int kRotate = 0>
+__device__ __forceinline__ void IssueScoresRopeInRegisters(float (&acc)[T::kNTiles][4],
+                                                           const Smem<T>& s, int t,
+                                                           uint64_t q_desc0,
+                                                           const uint32_t (&rope)[4][4]) {
+  static_assert(kRotate != kColumnBlocks - 1, "the first k-step must initialize S (SS)");
+  // Both bases laundered: each warpgroup's tiles sit in one stage, so the compiler would
+  // otherwise hoist all 36 k-steps' descriptors out of the loop (and spill them).
+  const uint64_t q_desc = Opaque(q_desc0);
+  const uint64_t k_desc = Opaque(KMajorDescriptor(s.Kv(t % T::kStages)));
+#pragma unroll
+  for (int j = 4 * kFirst; j < 4 * kEnd; ++j) {
+    const int cb = (j / 4 + kRotate) % kColumnBlocks;
+    if (j % 4 == 0) WaitFull(s, t, cb);
+    const uint32_t in_block = (j % 4) * 32;
+    const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
+    if (cb < kColumnBlocks - 1) {
+      const uint64_t a = q_desc + ((cb * kQBlockBytes + in_block) >> 4);
+      Wgmma<T::kBlockN>::SS(acc, a, b, j > 0 ? 1u : 0u);
+    } else {
+      Wgmma<T::kBlockN>::RS(acc, rope[j % 4], b);
+    }
+  }
+}
+
+// What both seesaw warpgroups start with: Q's rope block in registers, and S of their first tile.
+template <typename T, int kRotate>
+__device__ __forceinline__ void SeesawStart(const Smem<T>& s, int first_tile, bool has_tile,
+                                            int row_g, int lane, float (&acc)[T::kNTiles][4],
+                                            uint32_t (&rope)[4][4]) {
+  BarrierWait(s.QFull(), 0);
+  LoadFragments(s.QRopePtr(), rope, row_g, lane);
+  if (has_tile) {
+    WgmmaFence();
+    IssueScoresRopeInRegisters<T, 0, kColumnBlocks, kRotate>(acc, s, first_tile,
+                                                             KMajorDescriptor(s.Q()), rope);
+    WgmmaCommit();
+  }
+  WgmmaWait<0>();
+  PinRegisters(acc);
+}
+
+// Both warpgroups' end: the row sums (A's share + B's, in that order in both), then the rows.
+template <typename T, int kWg>
+__device__ __forceinline__ void SeesawFinish(const MlaParams& p, const Work& w, const Smem<T>& s,
+                                             const OnlineSoftmax<T::kNTiles>& softmax,
+                                             const float (&o)[kDTiles][4], int warp, int lane,
+                                             int row_g, const RowSink& sink) {
+  const float share[2] = {softmax.RowSum(0), softmax.RowSum(1)};
+  if ((lane & 3) == 0) {
+    s.RowSums()[kWg * kBlockM + row_g] = share[0];
+    s.RowSums()[kWg * kBlockM + row_g + 8] = share[1];
+  }
+  NamedBarrierSync(kSumsBarrier, 256);
+  const float m[2] = {softmax.m[0], softmax.m[1]};
+  float sums[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    sums[x] = s.RowSums()[row_g + 8 * x] + s.RowSums()[kBlockM + row_g + 8 * x];
+  }
+  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
+  StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kWg * kHalfCols, lane,
+            kWg == 0);
+}
+
+// A seesaw consumer lane's constants.
+struct SeesawLane {
+  int warp, lane;
+  RowLimits rows;
+  int row_g;
+  float scale_log2;
+  uint64_t q_desc0;
+  int n;  // the item's key tiles
+
+  template <typename T>
+  __device__ __forceinline__ SeesawLane(const MlaParams& p, const Work& w, const Smem<T>& s,
+                                        int ctid)
+      : warp(ctid / 32),
+        lane(ctid % 32),
+        rows(p, w, ctid / 32, ctid % 32),
+        row_g(rows.row_g),
+        scale_log2(p.sm_scale * kLog2e),
+        q_desc0(KMajorDescriptor(s.Q())),
+        n(w.num_tiles) {}
+};
+
+// Runs pair(i, has_b, next) for every pair of n tiles, with has_b (tile 2 i + 1 exists) and next
+// (tile 2 i + kNextOffset exists: the one whose S the pair issues) as std::bool_constant, so
+// that every wgmma of each instance is issued unconditionally.
+template <int kNextOffset, typename Pair>
+__device__ __forceinline__ void ForEachPair(int n, Pair&& pair) {
+  for (int i = 0; 2 * i < n; ++i) {
+    if (2 * i + kNextOffset < n) {
+      pair(i, std::true_type(), std::true_type());
+    } else if (2 * i + 1 < n) {
+      pair(i, std::true_type(), std::false_type());
+    } else {
+      pair(i, std::false_type(), std::false_type());
+    }
+  }
+}
+
+// Warpgroup A (1): S of the even tiles, O[:, 0:256].
+template <typename T>
+__device__ __forceinline__ void ConsumeSeesawA(const MlaParams& p, const Work& w, const Smem<T>& s,
+                                               int ctid, const RowSink& sink) {
+  const SeesawLane l(p, w, s, ctid);
+  const int lane = l.lane, row_g = l.row_g;
+  float o[kDTiles][4] = {};
+  float acc[T::kNTiles][4];
+  uint32_t rope[4][4];
+  uint32_t pa[T::kPSteps][4];  // P_a, for P_a V_aL
+  OnlineSoftmax<T::kNTiles> softmax;
+
+  // One pair; kHasB: tile b exists, kNextA: tile a + 2 does (its S is issued here). Each ends
+  // with no wgmma in flight, so that ptxas can count the groups of every instance.
+  auto pair = [&](int i, auto has_b, auto next_a) {
+    constexpr bool kHasB = decltype(has_b)::value;
+    constexpr bool kNextA = decltype(next_a)::value;
+    const int a = 2 * i;
+    l.rows.Mask(acc, w.item.kv_begin + a * T::kBlockN, lane);
+    float alpha[2];
+    softmax.Update(acc, l.scale_log2, alpha);
+    ScoresToA(acc, pa);
+    if (i > 0) NamedBarrierSync(kPaFreeBarrier, 256);  // B's P_a V_aR of the last pair is done
+    StoreFragments(s.PPtr(), pa, row_g, lane);
+    if ((lane & 3) == 0) {
+      s.RowMax()[row_g] = softmax.m[0];
+      s.RowMax()[row_g + 8] = softmax.m[1];
+    }
+    FenceProxyAsync();  // P_a's ordinary stores before warpgroup B's wgmma reads them
+    NamedBarrierArrive(kMaxABarrier, 256);
+    RescaleAccumulator(o, alpha);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < T::kPSteps; ++ks) {
+      Wgmma<kHalfCols>::RSTransB(o, pa[ks], ValueDescriptor(s, 0, 0, ks));
+    }
+    WgmmaCommit();
+
+    // Tile a's left half (S_a was done before the pair) while warpgroup B's softmax runs, so
+    // that tile a + 2's copies into it start early.
+    WgmmaWait<0>();
+    PinRegisters(o);
+    PinRegisters(pa);
+    Release(s, a, lane, 0);
+
+    // Tile b's maxima and P_b: O_L and this share of the sums move to them.
+    NamedBarrierSync(kMaxBBarrier, 256);
+    float beta[2] = {1.f, 1.f};
+    if constexpr (kHasB) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        beta[x] = softmax.Rescale(x, s.RowMax()[row_g + 8 * x]).alpha;
+        softmax.d[x] *= beta[x];
+      }
+    }
+    if constexpr (kHasB) {
+      // V_bL's blocks (warpgroup B's S read them), each seen through its own barrier.
+#pragma unroll
+      for (int cb = 0; cb < kHalfCols / 64; ++cb) WaitFull(s, a + 1, cb);
+      RescaleAccumulator(o, beta);
+      WgmmaFence();
+#pragma unroll
+      for (int ks = 0; ks < T::kPSteps; ++ks) {
+        Wgmma<kHalfCols>::SSTransB(o, KMajorDescriptor(s.PbOverQ() + ks * 32),
+                                   ValueDescriptor(s, 1, 0, ks));
+      }
+      WgmmaCommit();
+    }
+    // S of tile a + 2 in two groups, so that tile b's left half is released (and the copies of
+    // tile b + 2 into it, which warpgroup B's next S waits for, start) once P_b V_bL is done
+    // rather than once all of tile a + 2 has landed.
+    if constexpr (kNextA) {
+      IssueScoresRopeInRegisters<T, 0, kHalfCols / 64>(acc, s, a + 2, l.q_desc0, rope);
+      WgmmaCommit();
+    }
+    if constexpr (kHasB) {
+      WgmmaWait<kNextA ? 1 : 0>();
+      PinRegisters(o);
+      Release(s, a + 1, lane, 0);
+    }
+    if constexpr (kNextA) {
+      IssueScoresRopeInRegisters<T, kHalfCols / 64>(acc, s, a + 2, l.q_desc0, rope);
+      WgmmaCommit();
+    }
+    WgmmaWait<0>();
+    PinRegisters(acc);
+    PinRegisters(o);
+  };
+
+  if (l.n > 0) {
+    SeesawStart<T, 0>(s, 0, true, row_g, lane, acc, rope);
+    ForEachPair<2>(l.n, pair);
+  }
+  SeesawFinish<T, 0>(p, w, s, softmax, o, l.warp, lane, row_g, sink);
+}
+
+// Warpgroup B (2): S of the odd tiles, O[:, 256:512]. P_a comes at tile a's maxima: O_R takes
+// P_a V_aR at them (issued before this warpgroup's softmax, which it overlaps) and moves to tile
+// b's maxima before P_b V_bR.
+template <typename T>
+__device__ __forceinline__ void ConsumeSeesawB(const MlaParams& p, const Work& w, const Smem<T>& s,
+                                               int ctid, const RowSink& sink) {
+  const SeesawLane l(p, w, s, ctid);
+  const int lane = l.lane, row_g = l.row_g;
+  float o[kDTiles][4] = {};
+  float acc[T::kNTiles][4];
+  uint32_t rope[4][4];
+  uint32_t pb[T::kPSteps][4];  // P_b, for P_b V_bR
+  OnlineSoftmax<T::kNTiles> softmax;
+
+  // kHasB: tile b exists; kNextB: tile b + 2 does (its S is issued here).
+  auto pair = [&](int i, auto has_b, auto next_b) {
+    constexpr bool kHasB = decltype(has_b)::value;
+    constexpr bool kNextB = decltype(next_b)::value;
+    const int b = 2 * i + 1;
+    NamedBarrierSync(kMaxABarrier, 256);
+    float alpha[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      alpha[x] = softmax.Rescale(x, s.RowMax()[row_g + 8 * x]).alpha;  // to tile a's maxima
+      softmax.d[x] *= alpha[x];
+    }
+    RescaleAccumulator(o, alpha);
+#pragma unroll
+    for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, b - 1, cb);  // V_aR's
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < T::kPSteps; ++ks) {
+      Wgmma<kHalfCols>::SSTransB(o, KMajorDescriptor(s.P() + ks * 32),
+                                 ValueDescriptor(s, 0, kHalfCols, ks));
+    }
+    WgmmaCommit();
+
+    float beta[2];
+    if constexpr (kHasB) {
+      l.rows.Mask(acc, w.item.kv_begin + b * T::kBlockN, lane);
+      softmax.Update(acc, l.scale_log2, beta);
+      __syncwarp();  // every lane of a row has read its maximum before the row's lane 0 writes it
+      if ((lane & 3) == 0) {
+        s.RowMax()[row_g] = softmax.m[0];
+        s.RowMax()[row_g + 8] = softmax.m[1];
+      }
+      ScoresToA(acc, pb);
+      StoreFragments(s.PbPtr(), pb, row_g, lane);
+      FenceProxyAsync();
+    }
+    NamedBarrierArrive(kMaxBBarrier, 256);
+    WgmmaWait<0>();
+    PinRegisters(o);
+    Release(s, b - 1, lane, 1);  // tile a's right half (and rope block)
+    // Warpgroup A may write the next pair's P_a (the arrivals match its waits).
+    if (b + 1 < l.n) NamedBarrierArrive(kPaFreeBarrier, 256);
+    if constexpr (kHasB) {
+      RescaleAccumulator(o, beta);
+      WgmmaFence();
+#pragma unroll
+      for (int ks = 0; ks < T::kPSteps; ++ks) {
+        Wgmma<kHalfCols>::RSTransB(o, pb[ks], ValueDescriptor(s, 1, kHalfCols, ks));
+      }
+      WgmmaCommit();
+      // Released before S of tile b + 2 is issued: that GEMM waits for tile b + 2's copies into
+      // this very stage, which wait for the release.
+      WgmmaWait<0>();
+      PinRegisters(o);
+      PinRegisters(pb);
+      Release(s, b, lane, 1);
+    }
+    if constexpr (kNextB) {
+      IssueScoresRopeInRegisters<T, 0, kColumnBlocks, kHalfCols / 64>(acc, s, b + 2, l.q_desc0,
+                                                                      rope);
+      WgmmaCommit();
+    }
+    WgmmaWait<0>();
+    PinRegisters(acc);
+    PinRegisters(o);
+  };
+
+  if (l.n > 0) {
+    SeesawStart<T, kHalfCols / 64>(s, 1, l.n > 1, row_g, lane, acc, rope);
+    ForEachPair<3>(l.n, pair);
+  }
+  SeesawFinish<T, 1>(p, w, s, softmax, o, l.warp, lane, row_g, sink);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+    MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, RowSink sink,
+                  const __grid_constant__ CUtensorMap kv_map, bool use_tma) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t raw = SharedAddress(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -409,21 +835,61 @@ __global__ void __launch_bounds__(kThreads, 1)
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
     for (int i = 0; i < T::kStages; ++i) {
       for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
-      BarrierInit(s.KvEmpty(i), 8);  // one arrival per consumer warp
+      // One arrival per consumer warp (kSeesaw: of the warpgroup that finishes the half).
+      for (int h = 0; h < T::kReleases; ++h) BarrierInit(s.KvEmpty(i, h), 8 / T::kReleases);
     }
   }
   __syncthreads();
 
   if (tid < 128) {
-    ReleaseRegisters<kProducerRegisters>();
-    Produce<T>(p, w, s, tid);
+    ReleaseRegisters<T::kProducerRegisters>();
+    Produce<T>(p, w, s, kv_map, use_tma, tid);
   } else if (tid < 256) {
-    ClaimRegisters<kScoreRegisters>();
-    ConsumeScores<T>(p, w, s, tid - 128, sink);
+    ClaimRegisters<T::kFirstRegisters>();
+    if constexpr (T::kSeesaw) {
+      ConsumeSeesawA<T>(p, w, s, tid - 128, sink);
+    } else {
+      ConsumeScores<T>(p, w, s, tid - 128, sink);
+    }
   } else {
-    ClaimRegisters<kSecondRegisters>();
-    ConsumeSecond<T>(p, w, s, tid - 256, sink);
+    ClaimRegisters<T::kSecondRegisters>();
+    if constexpr (T::kSeesaw) {
+      ConsumeSeesawB<T>(p, w, s, tid - 256, sink);
+    } else {
+      ConsumeSecond<T>(p, w, s, tid - 256, sink);
+    }
   }
+}
+
+// The cache as a TMA tensor map: rows of 576 bf16 (every layer's pages in order), boxes of 64
+// rows x 64 columns (one 128-byte column block of a key tile) in the 128-byte swizzle the tiles
+// use. cuTensorMapEncodeTiled is the driver's: looked up once, so the build needs no libcuda.
+cudaError_t EncodeKvMap(const MlaCache& cache, CUtensorMap* map) {
+  using EncodeTiled =
+      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static const EncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(fn);
+  }();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[2] = {
+      kMlaTokenDim, static_cast<cuuint64_t>(cache.num_layers) * cache.num_pages * cache.page_size};
+  const cuuint64_t strides[1] = {kMlaTokenDim * sizeof(bf16)};
+  const cuuint32_t box[2] = {64, 64};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, cache.data, dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 template <typename T>
@@ -433,7 +899,14 @@ struct Config {
   static cudaError_t Launch(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink = RowSink::ForMla(p, plan);
-    kKernel<<<plan.num_items, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
+    // TMA where whole tiles lie in pages and the map's row coordinates fit its 32 bits.
+    CUtensorMap kv_map{};
+    const bool use_tma =
+        T::kTma && p.cache.page_size % T::kBlockN == 0 &&
+        int64_t{p.cache.num_layers} * p.cache.num_pages * p.cache.page_size <= INT32_MAX;
+    if (use_tma) ATTN_CUDA_RETURN_IF_ERROR(EncodeKvMap(p.cache, &kv_map));
+    kKernel<<<plan.num_items, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map,
+                                                                 use_tma);
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
   }
@@ -442,7 +915,7 @@ struct Config {
     // The register split assumes the compiler gave the kernel the whole launch bound.
     cudaFuncAttributes attributes;
     ATTN_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kKernel));
-    if (attributes.numRegs * kThreads < kPoolRegisters) return cudaErrorNotSupported;
+    if (attributes.numRegs * kThreads < T::kPoolRegisters) return cudaErrorNotSupported;
     // As the portable kernel: a chunk's 64 x 512 float partials cost little next to 1024 keys.
     tiling->min_chunk_len = 1024;
     // One CTA per SM, each streaming a whole sequence: a decode of 128 heads x 128 sequences is
@@ -459,6 +932,12 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<64, 2, false>>());
     case kMlaSm90SplitS:
       return fn(Config<Traits<64, 2, true>>());
+    case kMlaSm90Seesaw:
+      return fn(Config<Traits<64, 2, false, true>>());
+    case kMlaSm90SplitSTma:
+      return fn(Config<Traits<64, 2, true, false, true>>());
+    case kMlaSm90SeesawTma:
+      return fn(Config<Traits<64, 2, false, true, true>>());
     default:
       return cudaErrorInvalidValue;
   }

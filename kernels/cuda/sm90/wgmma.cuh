@@ -57,6 +57,15 @@ struct Wgmma<64> {
         : ATTN_WGMMA_ACC32(0)
         : "l"(a), "l"(b), "r"(accumulate));
   }
+  // D (64 x 64, fp32) += A * B: A from registers, B from shared memory, K-major.
+  __device__ __forceinline__ static void RS(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" ATTN_WGMMA_D32
+        "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n}\n"
+        : ATTN_WGMMA_ACC32(0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+  }
   // D (64 x 64, fp32) += A * B: A from registers, B from shared memory, MN-major (transposed).
   __device__ __forceinline__ static void RSTransB(float (&d)[8][4], const uint32_t (&a)[4],
                                                   uint64_t b) {
