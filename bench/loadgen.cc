@@ -16,6 +16,9 @@
 // (ServerConfig.data_plane). --append makes the measured prefills append their K/V.
 // --call_queue (with shm or cuda) sends the calls through a call queue per client (attention.proto,
 // "Call queues"; client/cpp/call_queue_client.h) instead of gRPC, which then only sets up.
+// --plan checks and pins each client's page table once (CreatePlan; attention.proto, "Plans")
+// and every call names the plan instead of carrying or staging the table: what a scheduler's
+// per-layer calls of one step cost.
 //
 // Over bytes the messages are protobuf's wire format either way, but attn_loadgen writes each
 // request once with its tensors as slices of their own and reads the response's tensors where
@@ -70,6 +73,8 @@ ABSL_FLAG(double, warmup_seconds, 1, "Unmeasured calls first");
 ABSL_FLAG(std::string, json, "", "Also write the results here");
 ABSL_FLAG(std::string, transport, "bytes", "bytes, shm or cuda (registered memory)");
 ABSL_FLAG(bool, append, false, "Measured prefills append their K/V");
+ABSL_FLAG(bool, plan, false,
+          "Each client's page table goes into a plan (CreatePlan) that its calls name");
 ABSL_FLAG(bool, call_queue, false,
           "With --transport=shm or cuda: calls go through a shared-memory call queue per client "
           "instead of gRPC");
@@ -372,8 +377,41 @@ size_t TensorBytes(const Request& r) {
   return n;
 }
 
-// Moves a request's tensors into `arena`, its page table into `tables`, and points its outputs
-// into `arena`.
+// Replaces a request's page table by a plan of `session` called `name` holding it (CreatePlan).
+template <typename Request>
+void OntoPlan(v1::AttentionService::Stub& stub, const std::string& session, const std::string& name,
+              Request* r) {
+  v1::CreatePlanRequest req;
+  req.set_pool(r->pool());
+  req.set_session(session);
+  req.set_name(name);
+  if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
+    req.set_prefill(true);
+    *req.mutable_qo_indptr() = r->qo_indptr();
+    r->clear_qo_indptr();
+  }
+  *req.mutable_kv_indptr() = r->kv_indptr();
+  *req.mutable_kv_indices() = r->kv_indices();
+  *req.mutable_kv_last_page_len() = r->kv_last_page_len();
+  r->clear_kv_indptr();
+  r->clear_kv_indices();
+  r->clear_kv_last_page_len();
+  grpc::ClientContext ctx;
+  v1::CreatePlanResponse resp;
+  const auto start = Clock::now();
+  const grpc::Status st = stub.CreatePlan(&ctx, req, &resp);
+  if (!st.ok()) {
+    std::fprintf(stderr, "CreatePlan failed: %s\n", st.error_message().c_str());
+    std::exit(1);
+  }
+  const double us = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+  std::printf("  plan %s: %d sequences, %d pages, created in %.0f us\n", name.c_str(), resp.batch(),
+              resp.num_pages(), us);
+  r->set_plan(name);
+}
+
+// Moves a request's tensors into `arena`, its page table (unless it names a plan) into
+// `tables`, and points its outputs into `arena`.
 template <typename Request>
 void IntoRegions(Request* r, const Geometry& g, Arena& arena, Arena& tables, bool prefill) {
   int64_t total_q = 0;
@@ -390,6 +428,9 @@ void IntoRegions(Request* r, const Geometry& g, Arena& arena, Arena& tables, boo
     auto* t = static_cast<v1::Tensor*>(r->GetReflection()->MutableMessage(r, fd));
     if (t->shape_size() == 0 && !t->has_region()) r->GetReflection()->ClearField(r, fd);
   }
+  const size_t out_bytes = static_cast<size_t>(total_q) * g.pool.num_qo_heads() * g.q_dim() * 2;
+  *r->mutable_output_to() = arena.Slice(out_bytes);
+  if (!r->plan().empty()) return;
   // The page table: kv_indptr, kv_last_page_len, kv_indices, then qo_indptr (prefill).
   std::vector<int32_t> table(r->kv_indptr().begin(), r->kv_indptr().end());
   table.insert(table.end(), r->kv_last_page_len().begin(), r->kv_last_page_len().end());
@@ -407,8 +448,6 @@ void IntoRegions(Request* r, const Geometry& g, Arena& arena, Arena& tables, boo
   r->clear_kv_indptr();
   r->clear_kv_last_page_len();
   r->clear_kv_indices();
-  const size_t out_bytes = static_cast<size_t>(total_q) * g.pool.num_qo_heads() * g.q_dim() * 2;
-  *r->mutable_output_to() = arena.Slice(out_bytes);
 }
 
 // One call through the async API, its completion polled without sleeping: the calling thread
@@ -661,6 +700,17 @@ int Main() {
           prefills.push_back(PrefillOf(g, seqs[c], b, seq_tokens, prefill_tokens, append, local));
         }
       }
+      std::vector<std::string> plans;
+      if (absl::GetFlag(FLAGS_plan) && !bg) {
+        const std::string& session = seqs[c].session;
+        if (prefills.empty()) {
+          OntoPlan(*stubs[c], session, plans.emplace_back(absl::StrCat("p", c)), &decode);
+        }
+        for (size_t i = 0; i < prefills.size(); ++i) {
+          OntoPlan(*stubs[c], session, plans.emplace_back(absl::StrCat("p", c, "-", i)),
+                   &prefills[i]);
+        }
+      }
       std::unique_ptr<Arena> arena, tables;
       if (transport != "bytes" && !bg) {
         // Inputs, and an output as large as q for each request.
@@ -720,6 +770,14 @@ int Main() {
         req.set_session(seqs[c].session);
         v1::UnregisterRegionResponse resp;
         CHECK_RPC(stubs[c]->UnregisterRegion(&ctx, req, &resp));
+      }
+      for (const std::string& name : plans) {  // their pins keep the pages from FreePages
+        grpc::ClientContext ctx;
+        v1::ReleasePlanRequest req;
+        req.set_name(name);
+        req.set_session(seqs[c].session);
+        v1::ReleasePlanResponse resp;
+        CHECK_RPC(stubs[c]->ReleasePlan(&ctx, req, &resp));
       }
     });
   }

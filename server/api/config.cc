@@ -41,8 +41,8 @@ absl::Status ResolveMetricsAddress(absl::string_view address, ServerOptions* s) 
     return absl::OkStatus();
   }
   const size_t colon = address.rfind(':');
-  const bool has_port = colon != absl::string_view::npos &&
-                        (address.front() != '[' || address[colon - 1] == ']');
+  const bool has_port =
+      colon != absl::string_view::npos && (address.front() != '[' || address[colon - 1] == ']');
   if (!has_port) {
     s->metrics_host = std::string(address);
     return absl::OkStatus();
@@ -98,13 +98,16 @@ absl::Status ResolveDataPlane(const v1::DataPlaneConfig& c, DataPlaneOptions* d)
   d->call_queue_spin_us = c.has_call_queue_spin_us()                 ? c.call_queue_spin_us()
                           : std::thread::hardware_concurrency() >= 8 ? 100
                                                                      : 0;
+  if (c.max_plans_per_session() != 0) d->max_plans_per_session = c.max_plans_per_session();
+  ATTN_RETURN_IF_ERROR(
+      CheckRange("data_plane.max_plans_per_session", d->max_plans_per_session, 1, 1024));
   ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_call_queues", d->max_call_queues, 1, 1024));
   ATTN_RETURN_IF_ERROR(
       CheckRange("data_plane.max_call_queues_per_session", d->max_call_queues_per_session, 1, 64));
   ATTN_RETURN_IF_ERROR(
       CheckRange("data_plane.call_queue_spin_us", d->call_queue_spin_us, 0, 100000));
-  ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_regions_per_session",
-                                  d->limits.max_regions_per_session, 1, 1024));
+  ATTN_RETURN_IF_ERROR(
+      CheckRange("data_plane.max_regions_per_session", d->limits.max_regions_per_session, 1, 1024));
   ATTN_RETURN_IF_ERROR(CheckRange("data_plane.max_region_bytes_per_session",
                                   d->limits.max_bytes_per_session, kRegionHeaderBytes,
                                   int64_t{1} << 40));
@@ -116,9 +119,9 @@ absl::Status ResolveDataPlane(const v1::DataPlaneConfig& c, DataPlaneOptions* d)
          ch == '_' || ch == '.' || ch == '-';
   }
   if (!ok) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "data_plane.shm_name_prefix = '", prefix,
-        "' must be '/' and then 1-199 characters of [A-Za-z0-9_.-]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("data_plane.shm_name_prefix = '", prefix,
+                     "' must be '/' and then 1-199 characters of [A-Za-z0-9_.-]"));
   }
   return absl::OkStatus();
 }
@@ -227,9 +230,10 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   ATTN_RETURN_IF_ERROR(CheckRange("session_max_pages", s.sessions.max_pages, 0,
                                   std::numeric_limits<int32_t>::max()));
   ATTN_RETURN_IF_ERROR(CheckRange("max_sessions", s.sessions.max_sessions, 1, 1 << 24));
-  ATTN_RETURN_IF_ERROR(CheckRange("max_message_bytes", s.max_message_bytes, 1 << 20, kGrpcMessageLimit));
-  ATTN_RETURN_IF_ERROR(CheckRange("max_queue_delay_us",
-                             absl::ToInt64Microseconds(s.batching.max_queue_delay), 0, 1000000));
+  ATTN_RETURN_IF_ERROR(
+      CheckRange("max_message_bytes", s.max_message_bytes, 1 << 20, kGrpcMessageLimit));
+  ATTN_RETURN_IF_ERROR(CheckRange(
+      "max_queue_delay_us", absl::ToInt64Microseconds(s.batching.max_queue_delay), 0, 1000000));
   ATTN_RETURN_IF_ERROR(CheckRange("max_batch_requests", s.batching.max_batch_requests, 1, 65536));
   ATTN_RETURN_IF_ERROR(CheckRange("max_batch_tokens", s.batching.max_batch_tokens, 1, 1 << 24));
   ATTN_RETURN_IF_ERROR(CheckRange("max_queue_requests", s.batching.max_queue_requests, 1, 1 << 20));

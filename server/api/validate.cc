@@ -212,20 +212,37 @@ struct TableSpans {
 };
 
 template <typename Request>
-absl::StatusOr<TableSpans> ReadPageTable(const Request& req, const RegionResolver& regions,
+absl::StatusOr<TableSpans> ReadPageTable(const Request& req, bool prefill,
+                                         const RegionResolver& regions, const PlanTable* plan,
                                          AttentionCall& call) {
-  constexpr bool kPrefill = std::is_same_v<Request, v1::PrefillRequest>;
+  constexpr bool kHasQo = !std::is_same_v<Request, v1::DecodeRequest>;
   TableSpans t;
+  bool repeated =
+      req.kv_indptr_size() > 0 || req.kv_indices_size() > 0 || req.kv_last_page_len_size() > 0;
+  if constexpr (kHasQo) repeated = repeated || req.qo_indptr_size() > 0;
+  if constexpr (!std::is_same_v<Request, v1::CreatePlanRequest>) {
+    if (!req.plan().empty()) {
+      if (repeated || req.has_page_table()) {
+        return absl::InvalidArgumentError(
+            "plan: send the page table in a plan, a region or the request's fields, only one");
+      }
+      if (plan == nullptr) {
+        return absl::InvalidArgumentError("plan: this server takes no plans on this path");
+      }
+      t.qo_indptr = absl::MakeConstSpan(plan->qo_indptr);
+      t.kv_indptr = absl::MakeConstSpan(plan->kv_indptr);
+      t.kv_indices = absl::MakeConstSpan(plan->kv_indices);
+      t.kv_last_page_len = absl::MakeConstSpan(plan->kv_last_page_len);
+      return t;
+    }
+  }
   if (!req.has_page_table()) {
-    if constexpr (kPrefill) t.qo_indptr = absl::MakeConstSpan(req.qo_indptr());
+    if constexpr (kHasQo) t.qo_indptr = absl::MakeConstSpan(req.qo_indptr());
     t.kv_indptr = absl::MakeConstSpan(req.kv_indptr());
     t.kv_indices = absl::MakeConstSpan(req.kv_indices());
     t.kv_last_page_len = absl::MakeConstSpan(req.kv_last_page_len());
     return t;
   }
-  bool repeated =
-      req.kv_indptr_size() > 0 || req.kv_indices_size() > 0 || req.kv_last_page_len_size() > 0;
-  if constexpr (kPrefill) repeated = repeated || req.qo_indptr_size() > 0;
   if (repeated) {
     return absl::InvalidArgumentError(
         "page_table: send the page table in a region or in the request's fields, not both");
@@ -240,7 +257,7 @@ absl::StatusOr<TableSpans> ReadPageTable(const Request& req, const RegionResolve
                                                    " is outside [0, ", kMaxTablePages, "]"));
   }
   const int64_t batch = ref.batch();
-  const int64_t words = (batch + 1) + batch + ref.num_pages() + (kPrefill ? batch + 1 : 0);
+  const int64_t words = (batch + 1) + batch + ref.num_pages() + (prefill ? batch + 1 : 0);
   if (!regions) {
     return absl::InvalidArgumentError("page_table: this server accepts no region references");
   }
@@ -257,7 +274,7 @@ absl::StatusOr<TableSpans> ReadPageTable(const Request& req, const RegionResolve
   t.kv_indptr = all.subspan(0, batch + 1);
   t.kv_last_page_len = all.subspan(batch + 1, batch);
   t.kv_indices = all.subspan(2 * batch + 1, ref.num_pages());
-  if constexpr (kPrefill) t.qo_indptr = all.subspan(2 * batch + 1 + ref.num_pages(), batch + 1);
+  if (prefill) t.qo_indptr = all.subspan(2 * batch + 1 + ref.num_pages(), batch + 1);
   return t;
 }
 
@@ -333,16 +350,36 @@ absl::StatusOr<std::vector<int32_t>> LastPageLens(absl::Span<const int32_t> give
   return lens;
 }
 
-// The fields Prefill and Decode share, read from either request type.
-template <typename Request>
-absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const TableSpans& table,
-                            const PoolGeometry& pool, AttentionCall& call, Slices& slices) {
-  if (req.layer() < 0 || req.layer() >= pool.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer = ", req.layer(), " is outside [0, ", pool.num_layers, ")"));
+// The query side of a page table: batch_size, total_q and (Prefill) qo_indptr.
+absl::Status CheckBatch(const TableSpans& table, Op op, AttentionCall& call) {
+  if (op == Op::kDecode) {
+    const int64_t batch = static_cast<int64_t>(table.kv_indptr.size()) - 1;
+    if (batch < 1 || batch > kMaxCallTokens) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_indptr has ", table.kv_indptr.size(),
+                                                     " entries; send batch + 1 with batch in [1, ",
+                                                     kMaxCallTokens, "]"));
+    }
+    call.batch_size = static_cast<int>(batch);
+    call.total_q = call.batch_size;
+    return absl::OkStatus();
   }
-  call.layer = req.layer();
+  call.qo_indptr = table.qo_indptr;
+  if (call.qo_indptr.size() < 2 || call.qo_indptr.size() > kMaxCallTokens + 1u) {
+    return absl::InvalidArgumentError(absl::StrCat("qo_indptr has ", call.qo_indptr.size(),
+                                                   " entries; send batch + 1 with batch in [1, ",
+                                                   kMaxCallTokens, "]"));
+  }
+  call.batch_size = static_cast<int>(call.qo_indptr.size()) - 1;
+  call.total_q = call.qo_indptr.back();
+  if (call.total_q < 0 || call.total_q > kMaxCallTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("total_q = qo_indptr[batch] = ", call.total_q,
+                                                   " is outside [0, ", kMaxCallTokens, "]"));
+  }
+  return CheckIndptr(call.qo_indptr, "qo_indptr", call.total_q, "total_q");
+}
 
+// The key side of a page table, against the pool, once CheckBatch has set the batch.
+absl::Status CheckKvTable(const TableSpans& table, const PoolGeometry& pool, AttentionCall& call) {
   const int batch = call.batch_size;
   call.kv_indptr = table.kv_indptr;
   call.kv_indices = table.kv_indices;
@@ -356,6 +393,21 @@ absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const
   ATTN_RETURN_IF_ERROR(CheckPagesPerSequence(call.kv_indptr, pool));
   ATTN_ASSIGN_OR_RETURN(call.kv_last_page_len, LastPageLens(table.kv_last_page_len, call.kv_indptr,
                                                             batch, pool.page_size));
+  return absl::OkStatus();
+}
+
+// The fields Prefill and Decode share, read from either request type.
+template <typename Request>
+absl::Status ValidateCommon(const Request& req, const InlineTensors& data, const TableSpans& table,
+                            const PoolGeometry& pool, AttentionCall& call, Slices& slices) {
+  if (req.layer() < 0 || req.layer() >= pool.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer = ", req.layer(), " is outside [0, ", pool.num_layers, ")"));
+  }
+  call.layer = req.layer();
+
+  ATTN_RETURN_IF_ERROR(CheckKvTable(table, pool, call));
+  const int batch = call.batch_size;
 
   const int64_t tq = call.total_q;
   const RowShapes& rows = pool.rows();
@@ -471,45 +523,55 @@ absl::Status ValidateRest(const Request& req, const InlineTensors& data, const T
 
 absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
                                               const InlineTensors& data, const PoolGeometry& pool,
-                                              const RegionResolver& regions, FiniteCheck finite) {
+                                              const RegionResolver& regions, FiniteCheck finite,
+                                              const PlanTable* plan) {
   ValidatedCall v;
   AttentionCall& call = v.call;
   call.op = Op::kPrefill;
-  ATTN_ASSIGN_OR_RETURN(const TableSpans table, ReadPageTable(req, regions, call));
-  call.qo_indptr = table.qo_indptr;
-  if (call.qo_indptr.size() < 2 || call.qo_indptr.size() > kMaxCallTokens + 1u) {
-    return absl::InvalidArgumentError(absl::StrCat("qo_indptr has ", call.qo_indptr.size(),
-                                                   " entries; send batch + 1 with batch in [1, ",
-                                                   kMaxCallTokens, "]"));
-  }
-  call.batch_size = static_cast<int>(call.qo_indptr.size()) - 1;
-  call.total_q = call.qo_indptr.back();
-  if (call.total_q < 0 || call.total_q > kMaxCallTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("total_q = qo_indptr[batch] = ", call.total_q,
-                                                   " is outside [0, ", kMaxCallTokens, "]"));
-  }
-  ATTN_RETURN_IF_ERROR(CheckIndptr(call.qo_indptr, "qo_indptr", call.total_q, "total_q"));
+  ATTN_ASSIGN_OR_RETURN(const TableSpans table,
+                        ReadPageTable(req, /*prefill=*/true, regions, plan, call));
+  ATTN_RETURN_IF_ERROR(CheckBatch(table, Op::kPrefill, call));
   ATTN_RETURN_IF_ERROR(ValidateRest(req, data, table, pool, regions, finite, v));
   return v;
 }
 
 absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
                                              const InlineTensors& data, const PoolGeometry& pool,
-                                             const RegionResolver& regions, FiniteCheck finite) {
+                                             const RegionResolver& regions, FiniteCheck finite,
+                                             const PlanTable* plan) {
   ValidatedCall v;
   AttentionCall& call = v.call;
   call.op = Op::kDecode;
-  ATTN_ASSIGN_OR_RETURN(const TableSpans table, ReadPageTable(req, regions, call));
-  const int64_t batch = static_cast<int64_t>(table.kv_indptr.size()) - 1;
-  if (batch < 1 || batch > kMaxCallTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_indptr has ", table.kv_indptr.size(),
-                                                   " entries; send batch + 1 with batch in [1, ",
-                                                   kMaxCallTokens, "]"));
-  }
-  call.batch_size = static_cast<int>(batch);
-  call.total_q = call.batch_size;
+  ATTN_ASSIGN_OR_RETURN(const TableSpans table,
+                        ReadPageTable(req, /*prefill=*/false, regions, plan, call));
+  ATTN_RETURN_IF_ERROR(CheckBatch(table, Op::kDecode, call));
   ATTN_RETURN_IF_ERROR(ValidateRest(req, data, table, pool, regions, finite, v));
   return v;
+}
+
+absl::StatusOr<PlanTable> ValidatePlanTable(const v1::CreatePlanRequest& req,
+                                            const PoolGeometry& pool,
+                                            const RegionResolver& regions) {
+  const bool prefill = req.prefill();
+  if (!req.has_page_table() && prefill != (req.qo_indptr_size() > 0)) {
+    return absl::InvalidArgumentError(
+        prefill ? "prefill is set but qo_indptr is empty: a Prefill plan needs qo_indptr"
+                : "qo_indptr is sent but prefill is not set: set prefill for a Prefill plan");
+  }
+  const Op op = prefill ? Op::kPrefill : Op::kDecode;
+  AttentionCall call;  // what a call on this table would hold
+  call.op = op;
+  ATTN_ASSIGN_OR_RETURN(const TableSpans table,
+                        ReadPageTable(req, prefill, regions, /*plan=*/nullptr, call));
+  ATTN_RETURN_IF_ERROR(CheckBatch(table, op, call));
+  ATTN_RETURN_IF_ERROR(CheckKvTable(table, pool, call));
+  PlanTable plan;
+  plan.op = op;
+  plan.qo_indptr.assign(table.qo_indptr.begin(), table.qo_indptr.end());
+  plan.kv_indptr.assign(table.kv_indptr.begin(), table.kv_indptr.end());
+  plan.kv_indices.assign(table.kv_indices.begin(), table.kv_indices.end());
+  plan.kv_last_page_len.assign(table.kv_last_page_len.begin(), table.kv_last_page_len.end());
+  return plan;
 }
 
 absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,

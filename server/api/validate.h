@@ -15,6 +15,7 @@
 #include "attnserve/v1/attention.pb.h"
 #include "server/api/inline_tensors.h"
 #include "server/engine/attention_call.h"
+#include "server/engine/plans.h"
 #include "server/engine/pool_geometry.h"
 #include "server/engine/regions.h"
 
@@ -43,15 +44,25 @@ enum class FiniteCheck { kHost, kBackend };
 // `data` holds the bytes of the request's inline tensors (InlineTensorsOf(req) when the message
 // holds them itself). On success the call's views point into `req`, `data`'s pieces and the
 // regions; outputs not named in a region are left for the backend. `regions` may be null for
-// callers that allow no regions.
+// callers that allow no regions. A request naming a plan (`plan`) is validated on `plan`'s
+// table (Engine::FindPlan; its views then point into it) and refused when `plan` is null.
 absl::StatusOr<ValidatedCall> ValidatePrefill(const v1::PrefillRequest& req,
                                               const InlineTensors& data, const PoolGeometry& pool,
                                               const RegionResolver& regions,
-                                              FiniteCheck finite = FiniteCheck::kHost);
+                                              FiniteCheck finite = FiniteCheck::kHost,
+                                              const PlanTable* plan = nullptr);
 absl::StatusOr<ValidatedCall> ValidateDecode(const v1::DecodeRequest& req,
                                              const InlineTensors& data, const PoolGeometry& pool,
                                              const RegionResolver& regions,
-                                             FiniteCheck finite = FiniteCheck::kHost);
+                                             FiniteCheck finite = FiniteCheck::kHost,
+                                             const PlanTable* plan = nullptr);
+
+// A CreatePlan request's page table, checked as a call's is (the same errors), copied out of
+// the request or its region. Whether its pages are the caller's is checked when
+// Engine::CreatePlan pins them.
+absl::StatusOr<PlanTable> ValidatePlanTable(const v1::CreatePlanRequest& req,
+                                            const PoolGeometry& pool,
+                                            const RegionResolver& regions);
 
 // The same for a request whose tensors are all in the message, naming no region.
 absl::StatusOr<AttentionCall> ValidatePrefill(const v1::PrefillRequest& req,

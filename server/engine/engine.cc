@@ -19,7 +19,8 @@ Engine::Engine(std::unique_ptr<Backend> backend, const BatchingOptions& batching
       page_observer_(page_observer),
       sessions_(epoch, sessions),
       data_plane_(data_plane),
-      regions_(data_plane.limits) {}
+      regions_(data_plane.limits),
+      plans_(data_plane.max_plans_per_session) {}
 
 namespace {
 
@@ -122,7 +123,10 @@ int Engine::ReleaseLocked(absl::Span<const SessionId> ids, PageEvent why,
                           std::vector<std::shared_ptr<void>>* unmap) {
   int released = 0;
   for (auto& pool : pools_) released += pool->pages_.ReleaseOwners(ids, why);
-  for (SessionId id : ids) regions_.ReleaseSession(id, unmap);
+  for (SessionId id : ids) {
+    regions_.ReleaseSession(id, unmap);
+    plans_.ReleaseSession(id, unmap);  // their pins go with the last call that uses them
+  }
   return released;
 }
 
@@ -144,8 +148,8 @@ void Engine::ExpireSessions(absl::Time now) {
 
 absl::StatusOr<RegionInfo> Engine::RegisterRegion(const Caller& caller, absl::string_view name,
                                                   const RegionSpec& spec) {
-  const bool allowed = spec.kind == RegionKind::kSharedMemory ? data_plane_.shared_memory
-                                                              : data_plane_.cuda_ipc;
+  const bool allowed =
+      spec.kind == RegionKind::kSharedMemory ? data_plane_.shared_memory : data_plane_.cuda_ipc;
   if (!allowed) {
     return absl::UnimplementedError(absl::StrCat(
         "this server does not accept ", RegionKindName(spec.kind),
@@ -195,6 +199,48 @@ absl::StatusOr<RegionHold> Engine::HoldRegion(const Caller& caller, absl::string
                                               std::function<void(RegionGone)> on_gone) {
   ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
   return regions_.Hold(owner, name, std::move(on_gone));
+}
+
+// --- Plans
+
+absl::Status Engine::CreatePlan(Pool& pool, const Caller& caller, absl::string_view name,
+                                PlanTable table) {
+  absl::StatusOr<std::shared_ptr<Plan>> replaced;  // destroyed (unpinned) after the lock
+  // Under mu_: a session that closed between the pins and the registry would leave them behind.
+  absl::MutexLock lock(&mu_);
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<Plan> plan,
+                        Plan::Create(&pool.pages_, pool.index_, owner, std::move(table)));
+  replaced = plans_.Put(name, std::move(plan));
+  return replaced.status();
+}
+
+absl::Status Engine::ReleasePlan(const Caller& caller, absl::string_view name) {
+  absl::StatusOr<std::shared_ptr<Plan>> removed;
+  {
+    ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+    removed = plans_.Remove(owner, name);
+  }
+  return removed.status();
+}
+
+absl::StatusOr<std::shared_ptr<const Plan>> Engine::FindPlan(const Pool& pool, const Caller& caller,
+                                                             absl::string_view name, Op op) {
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Plan> plan, plans_.Find(owner, name));
+  if (plan->pool() != pool.index_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan '", ShownName(name), "' is a page table of pool '",
+                     pools_[plan->pool()]->geometry.name, "', not of '", pool.geometry.name, "'"));
+  }
+  if (plan->table().op != op) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "plan '", ShownName(name), "' is a ",
+        plan->table().op == Op::kPrefill ? "Prefill" : "Decode", " plan (",
+        plan->table().op == Op::kPrefill ? "with" : "without", " qo_indptr); this is a ",
+        op == Op::kPrefill ? "Prefill" : "Decode", " call"));
+  }
+  return plan;
 }
 
 // --- Pages
@@ -266,7 +312,7 @@ absl::StatusOr<Engine::Pool*> Engine::FindPool(absl::string_view name) {
 }
 
 absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, AttentionCall call,
-                                        RegionUse regions) {
+                                        RegionUse regions, std::shared_ptr<const Plan> plan) {
   // The request alone decides this: refused before the session is looked at (or renewed).
   const int64_t key_reads = KeyReads(call, pool.geometry.page_size);
   if (key_reads > batching_.max_call_key_reads) {
@@ -287,10 +333,19 @@ absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, Attent
   admission.session_ = owner;
   admission.work_ = key_reads + admission.call_.total_q;
   admission.bytes_ = CallBytes(admission.call_, pool.geometry.rows());
-  // Pinned pages cannot be freed or reclaimed until the call finishes.
+  // Pinned pages cannot be freed or reclaimed until the call finishes: a plan's are pinned
+  // while it lives, and the admission keeps it.
   const AttentionCall& c = admission.call_;
-  ATTN_RETURN_IF_ERROR(pool.pages_.Pin(c.kv_indices, owner, "kv_indices"));
-  admission.pinned_ = c.kv_indices;
+  if (plan != nullptr) {
+    if (plan->session() != owner || plan->pool() != pool.index_ ||
+        c.kv_indices.data() != plan->table().kv_indices.data()) {
+      return absl::InternalError("a call admitted with a plan must be validated on that plan");
+    }
+    admission.plan_ = std::move(plan);
+  } else {
+    ATTN_RETURN_IF_ERROR(pool.pages_.Pin(c.kv_indices, owner, "kv_indices"));
+    admission.pinned_ = c.kv_indices;
+  }
   // The pages this call appends to stay its own until it finishes.
   ATTN_RETURN_IF_ERROR(pool.appends_.Acquire(c.append_pages));
   admission.locked_ = c.append_pages;
@@ -377,7 +432,8 @@ Admission::Admission(Admission&& other) noexcept
       bytes_(other.bytes_),
       pinned_(std::exchange(other.pinned_, {})),
       locked_(std::move(other.locked_)),
-      regions_(std::move(other.regions_)) {
+      regions_(std::move(other.regions_)),
+      plan_(std::move(other.plan_)) {
   other.locked_.clear();
 }
 
@@ -394,6 +450,7 @@ Admission& Admission::operator=(Admission&& other) noexcept {
     locked_ = std::move(other.locked_);
     other.locked_.clear();
     regions_ = std::move(other.regions_);
+    plan_ = std::move(other.plan_);
   }
   return *this;
 }
@@ -405,6 +462,7 @@ void Admission::ReleasePages() {
   pool_->pages_.Unpin(pinned_);
   pinned_ = {};
   regions_ = RegionUse();
+  plan_.reset();
 }
 
 void Admission::Release() {

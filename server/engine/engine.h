@@ -28,6 +28,7 @@
 #include "server/engine/batcher.h"
 #include "server/engine/observer.h"
 #include "server/engine/page_pool.h"
+#include "server/engine/plans.h"
 #include "server/engine/pool_geometry.h"
 #include "server/engine/regions.h"
 #include "server/engine/sessions.h"
@@ -118,11 +119,23 @@ class Engine {
   absl::StatusOr<std::vector<RegionInfo>> ListRegions(const Caller& caller);
   // The slices a call names in its session's regions, checked and counted as in use
   // (RegionTable::Resolve); pass the result to Admit.
-  absl::StatusOr<RegionUse> ResolveRegions(const Caller& caller,
-                                           absl::Span<const SliceRef> slices);
+  absl::StatusOr<RegionUse> ResolveRegions(const Caller& caller, absl::Span<const SliceRef> slices);
   // Keeps the caller's region `name` mapped for a call queue (RegionTable::Hold).
   absl::StatusOr<RegionHold> HoldRegion(const Caller& caller, absl::string_view name,
                                         std::function<void(RegionGone)> on_gone);
+
+  // --- Plans (attention.proto, "Plans"; server/engine/plans.h), per session.
+  // Pins `table` (checked by server/api/validate.h's ValidatePlanTable) for the caller's session
+  // and keeps it as `name`, replacing the session's plan of that name: PagePool::Pin's errors,
+  // PlanRegistry::Put's. All or nothing: a refused table leaves the old plan in place.
+  absl::Status CreatePlan(Pool& pool, const Caller& caller, absl::string_view name,
+                          PlanTable table);
+  // Drops the caller's plan `name` (NOT_FOUND). Calls admitted with it keep it until they end.
+  absl::Status ReleasePlan(const Caller& caller, absl::string_view name);
+  // The caller's plan `name` for a call of `op` on `pool`: NOT_FOUND, or INVALID_ARGUMENT when
+  // the plan is another pool's or method's. Pass it to Admit with the call validated on it.
+  absl::StatusOr<std::shared_ptr<const Plan>> FindPlan(const Pool& pool, const Caller& caller,
+                                                       absl::string_view name, Op op);
 
   // --- Prefill and Decode.
   // The pool called `name`; an empty name selects the only pool when there is exactly one.
@@ -131,9 +144,11 @@ class Engine {
   // BatchingOptions::max_call_key_reads), renews the caller's lease, counts the call for the
   // drain (UNAVAILABLE while draining), pins its page table (every page must be the caller's)
   // and locks the pages it appends to (FAILED_PRECONDITION when another unfinished call appends
-  // there). All or nothing: a refused call holds nothing.
+  // there). All or nothing: a refused call holds nothing. A call whose page table is `plan`'s
+  // (FindPlan) is not pinned again: the admission holds the plan, whose pins cover it.
   absl::StatusOr<Admission> Admit(Pool& pool, const Caller& caller, AttentionCall call,
-                                  RegionUse regions = {});
+                                  RegionUse regions = {},
+                                  std::shared_ptr<const Plan> plan = nullptr);
   // Queues an admitted call on its pool's batcher. `done` runs once, on the batcher thread, or
   // here when the queue refuses the call (RESOURCE_EXHAUSTED when full, in calls or in bytes,
   // with retry_after).
@@ -182,6 +197,7 @@ class Engine {
   SessionTable sessions_;
   const DataPlaneOptions data_plane_;
   RegionTable regions_;
+  PlanRegistry plans_;
 
   mutable absl::Mutex drain_mu_;
   bool draining_ ABSL_GUARDED_BY(drain_mu_) = false;
@@ -210,8 +226,8 @@ class Admission {
   friend class Engine;
   Admission(Engine* engine, Engine::Pool* pool, AttentionCall call, RegionUse regions)
       : engine_(engine), pool_(pool), call_(std::move(call)), regions_(std::move(regions)) {}
-  // Unpins the page table, unlocks the appended pages and stops using the regions (before the
-  // call is answered: a client may unregister them on the answer).
+  // Unpins the page table (or lets its plan go), unlocks the appended pages and stops using the
+  // regions (before the call is answered: a client may unregister them on the answer).
   void ReleasePages();
   // ReleasePages, then leaves the drain count.
   void Release();
@@ -225,6 +241,7 @@ class Admission {
   absl::Span<const int32_t> pinned_;  // views into the request, as call_.kv_indices
   std::vector<int64_t> locked_;       // AppendKeys
   RegionUse regions_;                 // the regions the call reads or writes
+  std::shared_ptr<const Plan> plan_;  // the plan whose table the call reads, pinned for it
 };
 
 }  // namespace attn

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
@@ -667,6 +668,138 @@ TEST_F(EngineTest, AllocationRacingCloseAndExpiryLosesNoPage) {
       ASSERT_EQ(pool->free_pages(), pool->total_pages()) << "round " << round;
     }
   }
+  ExpectBalanced();
+}
+
+// --- Plans
+
+// A decode table over `pages` (one sequence of full pages, page size 4).
+PlanTable DecodeTable(const std::vector<int32_t>& pages) {
+  PlanTable t;
+  t.op = Op::kDecode;
+  t.kv_indptr = {0, static_cast<int32_t>(pages.size())};
+  t.kv_indices = pages;
+  t.kv_last_page_len = {4};
+  return t;
+}
+
+// The call a validator would make of a plan's table: its views point into the plan.
+AttentionCall CallOn(const Plan& plan) {
+  AttentionCall c;
+  c.op = plan.table().op;
+  c.batch_size = plan.table().batch();
+  c.total_q = c.batch_size;
+  c.kv_indptr = plan.table().kv_indptr;
+  c.kv_indices = plan.table().kv_indices;
+  c.kv_last_page_len = plan.table().kv_last_page_len;
+  return c;
+}
+
+// A plan's pages are pinned while it lives: FreePages refuses them, and releasing the plan
+// gives them back; a plan naming another session's page pins nothing and keeps the old plan.
+TEST_F(EngineTest, APlanPinsItsPagesUntilReleasedOrReplaced) {
+  const Caller a = Open(), b = Open(0, absl::ZeroDuration(), Principal{"token:bob"});
+  const std::vector<int32_t> mine = Allocate(a, 3);
+  const std::vector<int32_t> theirs = Allocate(b, 1);
+  ASSERT_TRUE(engine_->CreatePlan(Pool(), a, "step", DecodeTable(mine)).ok());
+  EXPECT_EQ(Pool().pages().pinned_pages(), 3);
+  EXPECT_EQ(engine_->FreePages("gqa", a, {mine[0]}).status().code(),
+            StatusCode::kFailedPrecondition);
+  // Another session's page: refused, nothing pinned, the old plan stays.
+  EXPECT_EQ(engine_->CreatePlan(Pool(), a, "step", DecodeTable({mine[0], theirs[0]})).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Pool().pages().pinned_pages(), 3);
+  ASSERT_TRUE(engine_->FindPlan(Pool(), a, "step", Op::kDecode).ok());
+  // Replaced by a smaller table under the same name: the page left out is free to free.
+  ASSERT_TRUE(engine_->CreatePlan(Pool(), a, "step", DecodeTable({mine[1], mine[2]})).ok());
+  EXPECT_EQ(Pool().pages().pinned_pages(), 2);
+  EXPECT_TRUE(engine_->FreePages("gqa", a, {mine[0]}).ok());
+  ASSERT_TRUE(engine_->ReleasePlan(a, "step").ok());
+  EXPECT_EQ(Pool().pages().pinned_pages(), 0);
+  EXPECT_EQ(engine_->ReleasePlan(a, "step").code(), StatusCode::kNotFound);
+  EXPECT_TRUE(engine_->FreePages("gqa", a, {mine[1], mine[2]}).ok());
+  ExpectBalanced();
+}
+
+// A plan is its session's: another session (or another principal holding the handle) cannot
+// find it, and a call of another pool or method cannot use it.
+TEST_F(EngineTest, APlanServesOnlyItsSessionPoolAndMethod) {
+  const Caller a = Open(), b = Open(0, absl::ZeroDuration(), Principal{"token:bob"});
+  ASSERT_TRUE(engine_->CreatePlan(Pool(), a, "step", DecodeTable(Allocate(a, 2))).ok());
+  EXPECT_EQ(engine_->FindPlan(Pool(), b, "step", Op::kDecode).status().code(),
+            StatusCode::kNotFound);
+  const Caller mallory{a.session, Principal{"token:mallory"}};
+  EXPECT_EQ(engine_->FindPlan(Pool(), mallory, "step", Op::kDecode).status().code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_EQ(engine_->ReleasePlan(b, "step").code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine_->FindPlan(Pool("mla"), a, "step", Op::kDecode).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine_->FindPlan(Pool(), a, "step", Op::kPrefill).status().code(),
+            StatusCode::kInvalidArgument);
+  absl::StatusOr<std::shared_ptr<const Plan>> plan =
+      engine_->FindPlan(Pool(), a, "step", Op::kDecode);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Admitting b's call with a's plan would read a's pages: refused even if a caller got there.
+  EXPECT_FALSE(engine_->Admit(Pool(), b, CallOn(**plan), {}, *plan).ok());
+  EXPECT_EQ(engine_->CreatePlan(Pool(), a, "bad name", DecodeTable({})).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(EngineTest, PlansPerSessionAreBounded) {
+  const Caller a = Open();
+  const std::vector<int32_t> pages = Allocate(a, 1);
+  for (int i = 0; i < 16; ++i) {
+    ASSERT_TRUE(engine_->CreatePlan(Pool(), a, absl::StrCat("p", i), DecodeTable(pages)).ok());
+  }
+  EXPECT_EQ(engine_->CreatePlan(Pool(), a, "one-more", DecodeTable(pages)).code(),
+            StatusCode::kResourceExhausted);
+  EXPECT_TRUE(engine_->CreatePlan(Pool(), a, "p3", DecodeTable(pages)).ok());  // a replacement
+  EXPECT_EQ(Pool().pages().pinned_pages(), 1);
+  ASSERT_TRUE(engine_->ReleasePlan(a, "p0").ok());
+  EXPECT_TRUE(engine_->CreatePlan(Pool(), a, "one-more", DecodeTable(pages)).ok());
+}
+
+// A call admitted with a plan keeps it: releasing the plan meanwhile takes effect for later
+// calls, and the pages stay pinned until the call is answered (then they can be freed).
+TEST_F(EngineTest, ACallKeepsItsPlanUntilItIsAnswered) {
+  const Caller a = Open();
+  const std::vector<int32_t> pages = Allocate(a, 2);
+  ASSERT_TRUE(engine_->CreatePlan(Pool(), a, "step", DecodeTable(pages)).ok());
+  absl::StatusOr<std::shared_ptr<const Plan>> plan =
+      engine_->FindPlan(Pool(), a, "step", Op::kDecode);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  gate_.Hold(true);
+  absl::StatusOr<Admission> admitted = engine_->Admit(Pool(), a, CallOn(**plan), {}, *plan);
+  ASSERT_TRUE(admitted.ok()) << admitted.status();
+  plan->reset();
+  Answer answer;
+  Submit(*std::move(admitted), a, pages, &answer);
+  gate_.AwaitRunning();
+  ASSERT_TRUE(engine_->ReleasePlan(a, "step").ok());
+  EXPECT_EQ(engine_->FindPlan(Pool(), a, "step", Op::kDecode).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(Pool().pages().pinned_pages(), 2);  // the running call's
+  EXPECT_EQ(engine_->FreePages("gqa", a, pages).status().code(), StatusCode::kFailedPrecondition);
+  gate_.Hold(false);
+  answer.done.WaitForNotification();
+  EXPECT_TRUE(answer.status.ok()) << answer.status;
+  EXPECT_TRUE(answer.free_on_answer.ok()) << answer.free_on_answer;  // freed in `done`
+  ExpectBalanced();
+}
+
+// A session that closes or expires takes its plans along, so their pins cannot keep its pages
+// out of the pool.
+TEST_F(EngineTest, PlansGoWithTheirSession) {
+  const Caller a = Open(0, absl::Seconds(1));
+  const Caller b = Open();
+  ASSERT_TRUE(engine_->CreatePlan(Pool(), a, "step", DecodeTable(Allocate(a, 3))).ok());
+  ASSERT_TRUE(engine_->CreatePlan(Pool(), b, "step", DecodeTable(Allocate(b, 2))).ok());
+  engine_->ExpireSessions(absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(Pool().free_pages(), kGqaPages - 2);
+  EXPECT_EQ(Pool().pages().pinned_pages(), 2);
+  ASSERT_TRUE(engine_->CloseSession(b.session, b.principal).ok());
+  EXPECT_EQ(Pool().free_pages(), kGqaPages);
+  EXPECT_EQ(Pool().pages().pinned_pages(), 0);
   ExpectBalanced();
 }
 

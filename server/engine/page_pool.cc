@@ -43,8 +43,8 @@ void PagePool::ReportLocked(PageEvent event, int pages) const {
 absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int num_pages, SessionId owner,
                                                         std::vector<int32_t>* to_scrub) {
   if (num_pages < 1 || num_pages > total_pages()) {
-    return absl::InvalidArgumentError(absl::StrCat("num_pages = ", num_pages,
-                                                   " is outside [1, ", total_pages(), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_pages = ", num_pages, " is outside [1, ", total_pages(), "]"));
   }
   absl::MutexLock lock(&mu_);
   if (static_cast<size_t>(num_pages) > free_list_.size()) {
@@ -71,8 +71,8 @@ absl::Status PagePool::CheckOwnedLocked(absl::Span<const int32_t> ids, SessionId
   for (size_t i = 0; i < ids.size(); ++i) {
     const int32_t id = ids[i];
     if (id < 0 || id >= total_pages()) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "] = ", id,
-                                                     " is outside [0, ", total_pages(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, "[", i, "] = ", id, " is outside [0, ", total_pages(), ")"));
     }
     if (owner_[id] != owner) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -100,7 +100,8 @@ absl::Status PagePool::Free(absl::Span<const int32_t> ids, SessionId owner) {
   for (size_t i = 0; i < ids.size(); ++i) {
     if (pins_[ids[i]] > 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "page_ids[", i, "] = ", ids[i], " is in use by an unfinished Prefill or Decode"));
+          "page_ids[", i, "] = ", ids[i],
+          " is in use by an unfinished Prefill or Decode or by a plan (ReleasePlan it first)"));
     }
   }
   for (int32_t id : ids) FreeLocked(id);

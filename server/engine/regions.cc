@@ -75,9 +75,7 @@ absl::Status RegionUse::CheckIntact() const {
   return absl::OkStatus();
 }
 
-namespace {
-
-bool ValidName(absl::string_view name) {
+bool IsValidName(absl::string_view name) {
   if (name.empty() || name.size() > 64) return false;
   for (char c : name) {
     const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
@@ -87,8 +85,7 @@ bool ValidName(absl::string_view name) {
   return true;
 }
 
-// A client's region name as messages show it: at most 64 bytes, non-printable bytes escaped.
-std::string Shown(absl::string_view name) {
+std::string ShownName(absl::string_view name) {
   std::string out;
   for (char c : name.substr(0, 64)) {
     if (c >= 0x20 && c < 0x7f && c != '\'') {
@@ -100,8 +97,6 @@ std::string Shown(absl::string_view name) {
   if (name.size() > 64) absl::StrAppend(&out, "... (", name.size(), " bytes)");
   return out;
 }
-
-}  // namespace
 
 RegionTable::Slot* RegionTable::FindLocked(SessionId session, absl::string_view name) {
   auto s = sessions_.find(session);
@@ -125,9 +120,9 @@ std::shared_ptr<RegionUse::Region> RegionTable::EraseLocked(SessionId session,
 absl::StatusOr<std::optional<RegionInfo>> RegionTable::Reserve(SessionId session,
                                                                absl::string_view name, int64_t size,
                                                                std::string what) {
-  if (!ValidName(name)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("region name '", Shown(name), "' must be 1-64 characters of [A-Za-z0-9_.-]"));
+  if (!IsValidName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("region name '", ShownName(name),
+                                                   "' must be 1-64 characters of [A-Za-z0-9_.-]"));
   }
   if (size < kRegionHeaderBytes) {
     return absl::InvalidArgumentError(
@@ -192,7 +187,7 @@ absl::Status RegionTable::Remove(SessionId session, absl::string_view name) {
   Slot* slot = FindLocked(session, name);
   if (slot == nullptr || slot->region == nullptr) {
     return absl::NotFoundError(
-        absl::StrCat("region '", Shown(name), "' is not registered by this session"));
+        absl::StrCat("region '", ShownName(name), "' is not registered by this session"));
   }
   if (const int users = slot->region->in_use.load(); users > 0) {
     return absl::FailedPreconditionError(
@@ -238,7 +233,7 @@ absl::StatusOr<RegionUse> RegionTable::Resolve(SessionId session,
   for (const SliceRef& slice : slices) {
     Slot* slot = FindLocked(session, slice.region);
     if (slot == nullptr || slot->region == nullptr) {
-      return absl::NotFoundError(absl::StrCat(slice.field, ": region '", Shown(slice.region),
+      return absl::NotFoundError(absl::StrCat(slice.field, ": region '", ShownName(slice.region),
                                               "' is not registered by this session"));
     }
     const std::shared_ptr<RegionUse::Region>& shared = slot->region;
@@ -280,7 +275,7 @@ absl::StatusOr<RegionHold> RegionTable::Hold(SessionId session, absl::string_vie
   Slot* slot = FindLocked(session, name);
   if (slot == nullptr || slot->region == nullptr) {
     return absl::NotFoundError(
-        absl::StrCat("region '", Shown(name), "' is not registered by this session"));
+        absl::StrCat("region '", ShownName(name), "' is not registered by this session"));
   }
   RegionHold hold;
   {

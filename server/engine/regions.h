@@ -80,7 +80,8 @@ struct DataPlaneOptions {
   // Call queues (server/rpc/call_queue.h), with shared memory: each has a thread of its own.
   int max_call_queues = 16;
   int max_call_queues_per_session = 4;
-  int call_queue_spin_us = 100;  // polling after each call before sleeping on the doorbell
+  int call_queue_spin_us = 100;    // polling after each call before sleeping on the doorbell
+  int max_plans_per_session = 16;  // checked page tables (server/engine/plans.h), always on
 };
 
 // A region as ListRegions shows it.
@@ -91,6 +92,11 @@ struct RegionInfo {
   int calls_in_flight = 0;
   bool held = false;  // by a RegionHold: a call queue
 };
+
+// Names clients give their regions and plans: 1-64 bytes of [A-Za-z0-9_.-].
+bool IsValidName(absl::string_view name);
+// A client's name as messages show it: at most 64 bytes, non-printable bytes escaped.
+std::string ShownName(absl::string_view name);
 
 // A byte range a call reads or writes in one of its session's regions.
 struct SliceRef {

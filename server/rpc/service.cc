@@ -62,6 +62,8 @@ constexpr char kCloseSession[] = "CloseSession";
 constexpr char kRegisterRegion[] = "RegisterRegion";
 constexpr char kUnregisterRegion[] = "UnregisterRegion";
 constexpr char kListRegions[] = "ListRegions";
+constexpr char kCreatePlan[] = "CreatePlan";
+constexpr char kReleasePlan[] = "ReleasePlan";
 
 template <typename Request>
 constexpr bool kIsAttention =
@@ -257,6 +259,18 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListRegions(grpc::CallbackServer
   return Serve(kListRegions, ctx, in, out, &AttentionServiceImpl::HandleListRegions);
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::CreatePlan(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* in,
+                                                           grpc::ByteBuffer* out) {
+  return Serve(kCreatePlan, ctx, in, out, &AttentionServiceImpl::HandleCreatePlan);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ReleasePlan(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* in,
+                                                            grpc::ByteBuffer* out) {
+  return Serve(kReleasePlan, ctx, in, out, &AttentionServiceImpl::HandleReleasePlan);
+}
+
 absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(grpc::CallbackServerContext* ctx,
                                                              const char* method) const {
   // Without tokens, a verified client certificate names the caller; with neither, every caller
@@ -296,6 +310,7 @@ void AttentionServiceImpl::HandleGetServerInfo(
   dp->set_max_call_queues_per_session(plane.max_call_queues_per_session);
   dp->set_call_queue_spin_us(
       static_cast<int32_t>(absl::ToInt64Microseconds(call_queue_options_.spin)));
+  dp->set_max_plans_per_session(plane.max_plans_per_session);
   for (const auto& pool : engine_->pools()) {
     v1::PoolInfo* info = resp.add_pools();
     *info = ToPoolInfo(pool->geometry);
@@ -391,6 +406,35 @@ void AttentionServiceImpl::HandleListRegions(
   call.Complete(absl::OkStatus());
 }
 
+void AttentionServiceImpl::HandleCreatePlan(
+    Call<v1::CreatePlanRequest, v1::CreatePlanResponse>& call) {
+  const v1::CreatePlanRequest& req = call.request;
+  absl::StatusOr<Engine::Pool*> pool = engine_->FindPool(req.pool());
+  if (!pool.ok()) return call.Complete(pool.status());
+  const Caller caller = call.CallerOf(req.session());
+  const RegionResolver regions = [this, &caller](absl::Span<const SliceRef> slices) {
+    return engine_->ResolveRegions(caller, slices);
+  };
+  absl::StatusOr<PlanTable> table = ValidatePlanTable(req, (*pool)->geometry, regions);
+  if (!table.ok()) return call.Complete(table.status());
+  const int batch = table->batch();
+  const int total_q = table->op == Op::kPrefill ? table->qo_indptr.back() : batch;
+  const int num_pages = static_cast<int>(table->kv_indices.size());
+  if (absl::Status st = engine_->CreatePlan(**pool, caller, req.name(), *std::move(table));
+      !st.ok()) {
+    return call.Complete(st);
+  }
+  call.response.set_batch(batch);
+  call.response.set_total_q(total_q);
+  call.response.set_num_pages(num_pages);
+  call.Complete(absl::OkStatus());
+}
+
+void AttentionServiceImpl::HandleReleasePlan(
+    Call<v1::ReleasePlanRequest, v1::ReleasePlanResponse>& call) {
+  call.Complete(engine_->ReleasePlan(call.CallerOf(call.request.session()), call.request.name()));
+}
+
 void AttentionServiceImpl::HandleCloseSession(
     Call<v1::CloseSessionRequest, v1::CloseSessionResponse>& call) {
   absl::StatusOr<int> freed = engine_->CloseSession(call.request.session(), call.principal);
@@ -439,11 +483,21 @@ void AttentionServiceImpl::RunAttention(const Request& req, const InlineTensors&
   };
   const FiniteCheck finite =
       engine_->backend().ChecksFiniteInputs() ? FiniteCheck::kBackend : FiniteCheck::kHost;
+  constexpr bool kPrefillCall = std::is_same_v<Request, v1::PrefillRequest>;
+  // A plan's table was checked and pinned when it was made: the call only names it.
+  std::shared_ptr<const Plan> plan;
+  if (!req.plan().empty()) {
+    absl::StatusOr<std::shared_ptr<const Plan>> found =
+        engine_->FindPlan(**pool, caller, req.plan(), kPrefillCall ? Op::kPrefill : Op::kDecode);
+    if (!found.ok()) return refuse(found.status());
+    plan = *std::move(found);
+  }
+  const PlanTable* table = plan == nullptr ? nullptr : &plan->table();
   absl::StatusOr<ValidatedCall> valid;
-  if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
-    valid = ValidatePrefill(req, tensors, g, regions, finite);
+  if constexpr (kPrefillCall) {
+    valid = ValidatePrefill(req, tensors, g, regions, finite, table);
   } else {
-    valid = ValidateDecode(req, tensors, g, regions, finite);
+    valid = ValidateDecode(req, tensors, g, regions, finite, table);
   }
   if (!valid.ok()) return refuse(valid.status());
   const int total_q = valid->call.total_q;
@@ -458,8 +512,8 @@ void AttentionServiceImpl::RunAttention(const Request& req, const InlineTensors&
                      " bytes; a call queue's slot answers with at most ", max_inline_output_bytes,
                      ": name output_to (and lse_to) in a region")));
   }
-  absl::StatusOr<Admission> admitted =
-      engine_->Admit(**pool, caller, std::move(valid->call), std::move(valid->regions));
+  absl::StatusOr<Admission> admitted = engine_->Admit(**pool, caller, std::move(valid->call),
+                                                      std::move(valid->regions), std::move(plan));
   if (!admitted.ok()) return refuse(admitted.status());
 
   // The outputs' shapes; their bytes are the backend's (sent from its buffer) or in the regions

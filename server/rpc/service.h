@@ -35,7 +35,9 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServe
                             v1::AttentionService::WithRawCallbackMethod_RegisterRegion<
                                 v1::AttentionService::WithRawCallbackMethod_UnregisterRegion<
                                     v1::AttentionService::WithRawCallbackMethod_ListRegions<
-                                        v1::AttentionService::Service>>>>>>>>>>;
+                                        v1::AttentionService::WithRawCallbackMethod_CreatePlan<
+                                            v1::AttentionService::WithRawCallbackMethod_ReleasePlan<
+                                                v1::AttentionService::Service>>>>>>>>>>>>;
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
@@ -62,8 +64,7 @@ class AttentionServiceImpl final : public RawAttentionService {
   grpc::ServerUnaryReactor* Decode(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in,
                                    grpc::ByteBuffer* out) override;
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* ctx,
-                                        const grpc::ByteBuffer* in,
-                                        grpc::ByteBuffer* out) override;
+                                        const grpc::ByteBuffer* in, grpc::ByteBuffer* out) override;
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
                                          const grpc::ByteBuffer* in,
                                          grpc::ByteBuffer* out) override;
@@ -74,8 +75,11 @@ class AttentionServiceImpl final : public RawAttentionService {
                                              const grpc::ByteBuffer* in,
                                              grpc::ByteBuffer* out) override;
   grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx,
-                                        const grpc::ByteBuffer* in,
-                                        grpc::ByteBuffer* out) override;
+                                        const grpc::ByteBuffer* in, grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* CreatePlan(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* in,
+                                       grpc::ByteBuffer* out) override;
+  grpc::ServerUnaryReactor* ReleasePlan(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* in, grpc::ByteBuffer* out) override;
 
  private:
   // One call: its parsed request, its response, and how it finishes (service.cc).
@@ -99,6 +103,8 @@ class AttentionServiceImpl final : public RawAttentionService {
   void HandleUnregisterRegion(
       Call<v1::UnregisterRegionRequest, v1::UnregisterRegionResponse>& call);
   void HandleListRegions(Call<v1::ListRegionsRequest, v1::ListRegionsResponse>& call);
+  void HandleCreatePlan(Call<v1::CreatePlanRequest, v1::CreatePlanResponse>& call);
+  void HandleReleasePlan(Call<v1::ReleasePlanRequest, v1::ReleasePlanResponse>& call);
   template <typename Request>
   void HandleAttention(Call<Request, v1::AttentionResponse>& call);
 

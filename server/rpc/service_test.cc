@@ -428,5 +428,106 @@ TEST_F(ServiceTest, TheRequestIdIsEchoed) {
   EXPECT_EQ(std::string(it->second.data(), it->second.size()), "req-42");
 }
 
+// A call naming a plan answers as the same call with the table in its fields would, and it
+// appends the same way; the plan keeps its pages from FreePages until it is released.
+TEST_F(ServiceTest, ADecodeOnAPlanAnswersAsOneWithItsTable) {
+  const std::string session = OpenSession();
+  std::vector<int32_t> ids;
+  ASSERT_TRUE(Allocate(session, 2, &ids).ok());
+  v1::AttentionResponse with_table;
+  ASSERT_TRUE(Decode(DecodeOnto(ids[0], session), &with_table).ok());
+
+  grpc::ClientContext ctx;
+  v1::CreatePlanRequest plan;
+  plan.set_pool("gqa");
+  plan.set_session(session);
+  plan.set_name("step-1");
+  plan.add_kv_indptr(0);
+  plan.add_kv_indptr(1);
+  plan.add_kv_indices(ids[1]);
+  plan.add_kv_last_page_len(1);
+  v1::CreatePlanResponse planned;
+  grpc::Status st = stub_->CreatePlan(&ctx, plan, &planned);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(planned.batch(), 1);
+  EXPECT_EQ(planned.total_q(), 1);
+  EXPECT_EQ(planned.num_pages(), 1);
+  v1::DecodeRequest on_plan = DecodeOnto(ids[1], session);
+  on_plan.clear_kv_indptr();
+  on_plan.clear_kv_indices();
+  on_plan.clear_kv_last_page_len();
+  on_plan.set_plan("step-1");
+  v1::AttentionResponse planned_resp;
+  st = Decode(on_plan, &planned_resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(planned_resp.output().data(), with_table.output().data());
+  EXPECT_EQ(planned_resp.lse().data(), with_table.lse().data());
+
+  v1::FreePagesResponse freed;
+  EXPECT_EQ(Free(session, {ids[1]}, &freed).error_code(), StatusCode::FAILED_PRECONDITION);
+  grpc::ClientContext release_ctx;
+  v1::ReleasePlanRequest release;
+  release.set_session(session);
+  release.set_name("step-1");
+  v1::ReleasePlanResponse released;
+  ASSERT_TRUE(stub_->ReleasePlan(&release_ctx, release, &released).ok());
+  EXPECT_TRUE(Free(session, {ids[1]}, &freed).ok());
+  // The plan is gone: a call naming it is NOT_FOUND and appends nothing.
+  v1::AttentionResponse gone;
+  EXPECT_EQ(Decode(on_plan, &gone).error_code(), StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, PlanRefusalsAreTheirStatusCodes) {
+  const std::string session = OpenSession();
+  const std::string other = OpenSession();
+  std::vector<int32_t> ids, theirs;
+  ASSERT_TRUE(Allocate(session, 1, &ids).ok());
+  ASSERT_TRUE(Allocate(other, 1, &theirs).ok());
+  const auto create = [&](const std::string& s, const std::vector<int32_t>& pages,
+                          std::vector<int32_t> indptr, bool prefill = false) {
+    grpc::ClientContext ctx;
+    v1::CreatePlanRequest req;
+    req.set_pool("gqa");
+    req.set_session(s);
+    req.set_name("p");
+    req.set_prefill(prefill);
+    for (int32_t i : indptr) req.add_kv_indptr(i);
+    for (int32_t p : pages) req.add_kv_indices(p);
+    req.add_kv_last_page_len(1);
+    v1::CreatePlanResponse resp;
+    return stub_->CreatePlan(&ctx, req, &resp);
+  };
+  EXPECT_EQ(create(session, ids, {0, 2}).error_code(), StatusCode::INVALID_ARGUMENT);  // indptr
+  EXPECT_EQ(create(session, theirs, {0, 1}).error_code(), StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(create(session, {kPages}, {0, 1}).error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(create(session, ids, {0, 1}, /*prefill=*/true).error_code(),
+            StatusCode::INVALID_ARGUMENT);                    // a Prefill plan without qo_indptr
+  EXPECT_EQ(engine_->pools()[0]->pages().pinned_pages(), 0);  // none of them pinned anything
+  ASSERT_TRUE(create(session, ids, {0, 1}).ok());
+
+  v1::DecodeRequest call = DecodeOnto(ids[0], session);
+  call.set_plan("p");  // and the table in the fields too
+  v1::AttentionResponse resp;
+  grpc::Status st = Decode(call, &resp);
+  EXPECT_EQ(st.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(Has(st.error_message(), "only one")) << st.error_message();
+  call.clear_kv_indptr();
+  call.clear_kv_indices();
+  call.clear_kv_last_page_len();
+  call.set_session(other);  // another session's plan of that name does not exist
+  EXPECT_EQ(Decode(call, &resp).error_code(), StatusCode::NOT_FOUND);
+  call.set_session(session);
+  call.set_pool("mla");
+  EXPECT_EQ(Decode(call, &resp).error_code(), StatusCode::INVALID_ARGUMENT);
+  // A Prefill naming a Decode plan.
+  grpc::ClientContext ctx;
+  v1::PrefillRequest prefill;
+  prefill.set_pool("gqa");
+  prefill.set_session(session);
+  prefill.set_plan("p");
+  Fill(prefill.mutable_q(), {1, kHeads, kDim}, 0.f);
+  EXPECT_EQ(stub_->Prefill(&ctx, prefill, &resp).error_code(), StatusCode::INVALID_ARGUMENT);
+}
+
 }  // namespace
 }  // namespace attn
