@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnserve import AttnError, BatchCsr, Client
+from attnserve import AttnError, BatchCsr, Client, FailedPrecondition, NotFound
 from attnserve.calls import prefill_request
 from attnserve.regions import SharedMemoryArena
 from attnserve.tensors import bf16_to_float
@@ -339,14 +339,16 @@ def test_calls_over_the_call_queue_match_the_reference(
             assert [r for r in observer.list_regions() if r.call_queue] == []
 
 
+@pytest.mark.parametrize("table_kind", ["staged", "plan"])
 @pytest.mark.parametrize("call_queue", [True, False])
 @pytest.mark.parametrize("pool_name", ["gqa", "mla"])
 def test_a_prepared_call_runs_every_layer(
-    plane_server: PlaneServer, pool_name: str, call_queue: bool
+    plane_server: PlaneServer, pool_name: str, call_queue: bool, table_kind: str
 ) -> None:
     """Client.prepare(): staged once, rewritten in place for each layer (decode with append),
-    over the call queue and over gRPC; every run checked against the reference, the outputs read
-    from the prepared call's own views."""
+    over the call queue and over gRPC, its page table staged in shared memory or in a plan;
+    every run checked against the reference, the outputs read from the prepared call's own
+    views."""
     plane_server.require_regions()
     with Client(
         plane_server.address, transport="shm", call_queue=call_queue, timeout=60.0
@@ -358,8 +360,9 @@ def test_a_prepared_call_runs_every_layer(
             csr = s.table.csr(["x", "y"])
             scale = s.default_scale
             with client.stage_page_table(csr) as staged:
+                table = client.plan(staged, pool=s.pool.name) if table_kind == "plan" else staged
                 first = s.tokens(2)
-                with client.prepare("decode", table=staged, pool=s.pool.name, sm_scale=scale,
+                with client.prepare("decode", table=table, pool=s.pool.name, sm_scale=scale,
                                     return_lse=True, **first) as call:  # fmt: skip
                     assert sorted(call.inputs) == sorted(first)
                     for layer in range(s.pool.num_layers):
@@ -375,6 +378,8 @@ def test_a_prepared_call_runs_every_layer(
                         check_result(result, out, lse)
                     queues = [r for r in client.list_regions() if r.call_queue]
                     assert len(queues) == (1 if call_queue else 0)
+                if table_kind == "plan":
+                    table.release()
         finally:
             s.close()
 
@@ -411,3 +416,64 @@ def test_prepare_needs_an_arena(plane_server: PlaneServer) -> None:
             client.prepare("decode", q, table, pool="gqa")
         with pytest.raises(ValueError, match="op must be"):
             client.prepare("append", q, table, pool="gqa")
+
+
+@pytest.mark.parametrize("transport", ["bytes", "shm"])
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+@pytest.mark.parametrize("pool_name", ["gqa", "mla"])
+def test_a_plan_serves_every_layer_of_a_step(
+    plane_server: PlaneServer, transport: str, op: str, pool_name: str
+) -> None:
+    """Client.plan() (attention.proto, "Plans"): the table checked and pinned once, then every
+    layer's call (K/V appended) names it and matches the reference. Over shm the plan is made
+    from a staged table and the calls take the call queue. Its pages cannot be freed until it is
+    released."""
+    with client_for(plane_server, transport) as client:
+        s = session(client, pool_name, seed=41)
+        try:
+            seqs = ["x", "y", "z"]
+            s.chunk(seqs, [9, 40, 1])
+            q_lens = [1, 1, 1] if op == "decode" else [3, 1, 6]
+            s.grow(seqs, q_lens)
+            csr = s.table.csr(seqs, q_lens)
+            staged = client.stage_page_table(csr) if transport == "shm" else None
+            with client.plan(staged or csr, op=op, pool=s.pool.name) as plan:
+                assert (plan.batch, plan.total_q) == (3, sum(q_lens))
+                assert plan.num_pages == len(csr.kv_indices)
+                call = client.prefill if op == "prefill" else client.decode
+                for layer in range(s.pool.num_layers):
+                    bits = s.tokens(sum(q_lens))
+                    result = call(layer, table=plan, pool=s.pool.name, sm_scale=s.default_scale,
+                                  return_lse=True, **bits)  # fmt: skip
+                    values = {k: bf16_to_float(v) for k, v in bits.items()}
+                    rows = {k.removesuffix("_new"): v for k, v in values.items() if "_new" in k}
+                    s.mirror.append(layer, csr, rows)
+                    out, lse = s.expected(layer, csr, values, s.default_scale)
+                    check_result(result, out, lse)
+                with pytest.raises(FailedPrecondition):
+                    client.free_pages(list(csr.kv_indices[:1]), pool=s.pool.name)
+            if staged is not None:
+                staged.release()
+            with pytest.raises(ValueError, match="released"):
+                client.decode(0, table=plan, pool=s.pool.name, **s.tokens(3))
+        finally:
+            s.close()  # the plan is gone: its pages free
+
+
+def test_plans_go_with_their_session(plane_server: PlaneServer) -> None:
+    """A session that ends takes its plans along: their pins do not keep its pages out of the
+    pool. A plan of one method cannot serve the other."""
+    with client_for(plane_server, "bytes") as client:
+        before = client.pool_info("gqa").free_pages
+        s = session(client, "gqa", seed=42)
+        s.chunk(["a"], [20])
+        csr = s.table.csr(["a"])
+        plan = client.plan(csr, pool="gqa", name="one")
+        client.plan(csr, pool="gqa", name="two")
+        with pytest.raises(ValueError, match="decode plan"):
+            client.prefill(0, table=plan, pool="gqa", **s.tokens(1))
+        with pytest.raises(NotFound):
+            client.release_plan("three")
+        assert client.pool_info("gqa").free_pages < before
+        client.close_session()
+        assert client.pool_info("gqa").free_pages == before

@@ -4,6 +4,7 @@
   deadlines and retries (RetryPolicy, retry.py); requests and results are shared (calls.py).
 - AttnError and its subclasses (InvalidArgument, PoolExhausted, QueueFull, ...): errors.py.
 - PageTable / AsyncPageTable / BatchCsr: per-sequence page bookkeeping and CSR page tables.
+- Plan: a step's page table checked and pinned once by the server (Client.plan, plans.py).
 - Router / HashRing: keeps each sequence on the server holding its pages, over several servers.
 - tensors: bf16 <-> float32 and the wire Tensor message; torch_tensors: the same for torch
   (optional, imported lazily).
@@ -44,6 +45,7 @@ from attnserve.pages import (
     PageAllocator,
     PageTable,
 )
+from attnserve.plans import Plan
 from attnserve.retry import NO_RETRIES, RetryPolicy
 from attnserve.router import HashRing, Router, ServerBatch
 
@@ -65,6 +67,7 @@ __all__ = [
     "NotFound",
     "PageAllocator",
     "PageTable",
+    "Plan",
     "PermissionDenied",
     "PoolExhausted",
     "QueueFull",

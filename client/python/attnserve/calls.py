@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attnserve.pages import BatchCsr
+from attnserve.plans import Plan
 from attnserve.tensors import bf16_to_float, pack_tensor, unpack_tensor, wire_array
 from attnserve.torch_tensors import _import_torch, is_torch_tensor, pack_torch, tensor_to_torch
 from attnserve.transport import TENSOR_FIELDS, StagedPageTable
@@ -163,6 +164,9 @@ CLOSE_SESSION: Rpc[int] = Rpc("CloseSession", False, lambda r: r.freed_pages)
 REGISTER_REGION: Rpc[pb.RegisterRegionResponse] = Rpc("RegisterRegion", False, _same)
 UNREGISTER_REGION: Rpc[pb.UnregisterRegionResponse] = Rpc("UnregisterRegion", False, _same)
 LIST_REGIONS: Rpc[list[pb.RegionInfo]] = Rpc("ListRegions", True, lambda r: list(r.regions))
+# CreatePlan replaces the plan of its name, so repeating it after a lost reply is harmless.
+CREATE_PLAN: Rpc[pb.CreatePlanResponse] = Rpc("CreatePlan", True, _same)
+RELEASE_PLAN: Rpc[pb.ReleasePlanResponse] = Rpc("ReleasePlan", False, _same)
 
 
 def open_session_request(lease_s: float | None, max_pages: int | None) -> pb.OpenSessionRequest:
@@ -176,7 +180,7 @@ def open_session_request(lease_s: float | None, max_pages: int | None) -> pb.Ope
 # "Sessions and leases"), so a client without one opens one on its first such call.
 NEEDS_SESSION = frozenset(
     {"AllocatePages", "FreePages", "Prefill", "Decode", "RegisterRegion", "UnregisterRegion",
-     "ListRegions"}
+     "ListRegions", "CreatePlan", "ReleasePlan"}
 )  # fmt: skip
 
 
@@ -220,8 +224,9 @@ def free_pages_request(page_ids: IndexLike, pool: str) -> pb.FreePagesRequest:
     return pb.FreePagesRequest(pool=pool, page_ids=_ints(page_ids, "page_ids"))
 
 
-# A page table argument: CSR arrays, or a table staged in shared memory for a step's calls.
-TableLike = BatchCsr | StagedPageTable
+# A page table argument: CSR arrays, a table staged in shared memory for a step's calls, or a
+# plan the server checked and pinned for them.
+TableLike = BatchCsr | StagedPageTable | Plan
 
 
 def prefill_request(
@@ -267,20 +272,44 @@ def attention_request(
     request.return_lse = return_lse
     if sm_scale is not None:
         request.sm_scale = sm_scale
-    ref = table.ref(prefill) if isinstance(table, StagedPageTable) else None
-    if ref is not None:
-        request.page_table.CopyFrom(ref)
+    if isinstance(table, Plan):
+        if table.released:
+            raise ValueError(f"plan {table.name!r} was released")
+        if table.prefill != prefill:
+            kind = "prefill" if table.prefill else "decode"
+            raise ValueError(f"plan {table.name!r} is a {kind} plan; this is a {rpc.name} call")
+        request.plan = table.name
     else:
-        csr = table.csr if isinstance(table, StagedPageTable) else table
-        if prefill:
-            request.qo_indptr.extend(_ints(csr.qo_indptr, "qo_indptr"))
-        request.kv_indptr.extend(_ints(csr.kv_indptr, "kv_indptr"))
-        request.kv_indices.extend(_ints(csr.kv_indices, "kv_indices"))
-        if csr.kv_last_page_len is not None:
-            request.kv_last_page_len.extend(_ints(csr.kv_last_page_len, "kv_last_page_len"))
+        table_fields(request, table, prefill)
     values = (q, q_pe, k_new, v_new, ckv_new, kpe_new)
     tensors = {name: v for name, v in zip(TENSOR_FIELDS, values, strict=True) if v is not None}
     return request, tensors
+
+
+def create_plan_request(
+    table: BatchCsr | StagedPageTable, name: str, prefill: bool, pool: str
+) -> pb.CreatePlanRequest:
+    """The CreatePlanRequest for `table`: its PageTableRef when it is staged in shared memory,
+    else its arrays (qo_indptr only for a Prefill plan)."""
+    request = pb.CreatePlanRequest(name=name, pool=pool, prefill=prefill)
+    table_fields(request, table, prefill)
+    return request
+
+
+def table_fields(request: Any, table: BatchCsr | StagedPageTable, prefill: bool) -> None:
+    """Sets a request's page table: the staged table's PageTableRef, else the CSR arrays
+    (qo_indptr for a prefill)."""
+    ref = table.ref(prefill) if isinstance(table, StagedPageTable) else None
+    if ref is not None:
+        request.page_table.CopyFrom(ref)
+        return
+    csr = table.csr if isinstance(table, StagedPageTable) else table
+    if prefill:
+        request.qo_indptr.extend(_ints(csr.qo_indptr, "qo_indptr"))
+    request.kv_indptr.extend(_ints(csr.kv_indptr, "kv_indptr"))
+    request.kv_indices.extend(_ints(csr.kv_indices, "kv_indices"))
+    if csr.kv_last_page_len is not None:
+        request.kv_last_page_len.extend(_ints(csr.kv_last_page_len, "kv_last_page_len"))
 
 
 def fill_tensors(request: Any, tensors: dict[str, Any]) -> None:

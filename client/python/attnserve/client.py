@@ -22,6 +22,7 @@ from attnserve.call_queue import CallQueue, QueueClosed
 from attnserve.calls import (
     ALLOCATE_PAGES,
     CLOSE_SESSION,
+    CREATE_PLAN,
     DECODE,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -31,6 +32,7 @@ from attnserve.calls import (
     OPEN_SESSION,
     PREFILL,
     REGISTER_REGION,
+    RELEASE_PLAN,
     SERVER_INFO,
     UNREGISTER_REGION,
     AttentionResult,
@@ -41,6 +43,7 @@ from attnserve.calls import (
     allocate_pages_request,
     attention_request,
     channel_options,
+    create_plan_request,
     free_pages_request,
     open_session_request,
     select_pool,
@@ -48,6 +51,7 @@ from attnserve.calls import (
 )
 from attnserve.errors import AttnError, error_for
 from attnserve.pages import BatchCsr
+from attnserve.plans import Plan
 from attnserve.prepared import PreparedCall, rpc_for
 from attnserve.regions import DEFAULT_ARENA_BYTES, DEFAULT_SHM_PREFIX
 from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
@@ -296,6 +300,28 @@ class Client:
             except NeedArena as need:
                 if not self._add_arena(need, timeout):
                     return StagedPageTable(table)
+
+    def plan(
+        self,
+        table: BatchCsr | StagedPageTable,
+        *,
+        op: str = "decode",
+        name: str = "step",
+        pool: str = "",
+        timeout: float | None = None,
+    ) -> Plan:
+        """Has the server check and pin `table` once for the "decode" or "prefill" calls of one
+        step (attnserve.plans): pass the result as their `table`. A plan of the same name is
+        replaced, so a scheduler plans each step under one name and then frees the pages of the
+        sequences that finished. A staged table (stage_page_table) is read from shared memory."""
+        prefill = rpc_for(op) is PREFILL
+        request = create_plan_request(table, name, prefill, pool)
+        response = self._invoke(CREATE_PLAN, request, timeout)
+        return Plan(self.release_plan, name, prefill, response)
+
+    def release_plan(self, name: str, *, timeout: float | None = None) -> None:
+        """Drops the session's plan `name` (NotFound when there is none)."""
+        self._invoke(RELEASE_PLAN, pb.ReleasePlanRequest(name=name), timeout)
 
     def register_region(
         self, request: pb.RegisterRegionRequest, *, timeout: float | None = None
