@@ -10,6 +10,7 @@ in bf16 holds), the page table is staged once (stage_page_table) as a scheduler 
 layer of a step, and the output is copied out of the arena into the result (the client's API).
 With --prepared the call is staged once (Client.prepare): q stays in its arena view, which a
 model would write its queries into, and the output is read in place, as attn_loadgen does.
+With --plan the staged table goes into a plan (Client.plan) that each call names.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--warmup_seconds", type=float, default=1.0)
     p.add_argument("--prepared", action="store_true", help="Client.prepare(): one staging")
+    p.add_argument("--plan", action="store_true", help="Client.plan(): the table in a plan")
     p.add_argument("--json", default="")
     args = p.parse_args()
 
@@ -60,8 +62,10 @@ def main() -> int:
         client_us: list[float] = []
         compute_us: list[float] = []
         with client.stage_page_table(table) as staged:
-            prepared = client.prepare("decode", q, staged) if args.prepared else None
-            call = prepared.run if prepared else lambda: client.decode(0, q, staged)
+            plan = client.plan(staged) if args.plan else None
+            on = plan or staged
+            prepared = client.prepare("decode", q, on) if args.prepared else None
+            call = prepared.run if prepared else lambda: client.decode(0, q, on)
             start = time.perf_counter()
             while time.perf_counter() - start < args.warmup_seconds:
                 call()
@@ -73,6 +77,8 @@ def main() -> int:
                 compute_us.append(result.timings.compute_us)
             if prepared:
                 prepared.close()
+            if plan:
+                plan.release()
         for ids in pages:
             client.free_pages(ids)
         kinds = client.transport.kinds
@@ -82,6 +88,7 @@ def main() -> int:
     r = {
         "transport": args.transport,
         "prepared": args.prepared,
+        "plan": args.plan,
         "kinds": str(kinds),
         "batch": args.batch,
         "context": args.context,
@@ -94,8 +101,9 @@ def main() -> int:
         "compute_us_p50": float(np.percentile(compute_us, 50)),
     }
     lat, e2e = r["client_us"], r["end_to_end_overhead_us"]
+    how = "".join(f", {k}" for k in ("prepared", "plan") if getattr(args, k))
     print(
-        f"python client, {args.transport} ({kinds}){', prepared' if args.prepared else ''}, "
+        f"python client, {args.transport} ({kinds}){how}, "
         f"decode batch {args.batch} x {args.context}: "
         f"{len(c)} calls\n  client us p50 {lat['p50']:.0f} p99 {lat['p99']:.0f}"
         f" | compute p50 {r['compute_us_p50']:.0f}\n  end to end  client - compute p50 "

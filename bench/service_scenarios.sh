@@ -107,11 +107,23 @@ load transport_queue_shm_eight_clients_b8 --clients=8 --batch=8 --transport=shm 
 if [ "$backend" = cuda ]; then
   load transport_queue_cuda_decode_b64 --clients=1 --batch=64 --transport=cuda --call_queue
 fi
+# The page table checked and pinned once per step (attention.proto, "Plans"), each call naming it.
+load transport_queue_shm_plan_decode_b64 --clients=1 --batch=64 --transport=shm --call_queue --plan
+load transport_queue_shm_plan_decode_b256 --clients=1 --batch=256 --transport=shm --call_queue \
+  --plan
+load transport_queue_shm_plan_eight_clients_b8 --clients=8 --batch=8 --transport=shm \
+  --call_queue --plan
+if [ "$backend" = cuda ]; then
+  load transport_queue_cuda_plan_decode_b64 --clients=1 --batch=64 --transport=cuda --call_queue \
+    --plan
+fi
+load transport_bytes_plan_decode_b64 --clients=1 --batch=64 --transport=bytes --plan
 # The Python client on the same socket: its shm calls take a call queue by themselves.
 python_load python_queue_shm_decode_b64 --batch=64 --transport=shm
 python_load python_queue_shm_floor_b1 --batch=1 --context=16 --transport=shm
 python_load python_queue_prepared_shm_decode_b64 --batch=64 --transport=shm --prepared
 python_load python_queue_prepared_shm_floor_b1 --batch=1 --context=16 --transport=shm --prepared
+python_load python_queue_prepared_plan_shm_decode_b64 --batch=64 --transport=shm --prepared --plan
 stop_server
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then

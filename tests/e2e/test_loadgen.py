@@ -24,6 +24,9 @@ def loadgen_binary() -> Path:
         ("gqa", ["--op=decode", "--clients=3", "--batch=4"]),
         ("gqa_g5", ["--op=prefill", "--clients=2", "--batch=2", "--prefill_tokens=24"]),
         ("mla", ["--op=decode", "--clients=1", "--batch=3", "--background_prefill_tokens=100"]),
+        # Page tables in plans (CreatePlan), released before the pages are freed.
+        ("gqa", ["--op=decode", "--clients=2", "--batch=3", "--plan"]),
+        ("gqa_g5", ["--op=prefill", "--clients=1", "--batch=2", "--prefill_tokens=8", "--plan"]),
     ],
 )
 def test_loadgen_reports_a_short_run(server, tmp_path: Path, pool: str, flags: list[str]) -> None:
