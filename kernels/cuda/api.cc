@@ -53,9 +53,11 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
 
 bool IsSm90Mla(int variant) { return variant >= kMlaSm90; }
 
-// The Hopper MLA variant the default selects: the fastest on every kernel_bench MLA shape on the
-// H200, 16-head decode included (where it also beats the portable kernel; bench/RESULTS.md).
-constexpr int kDefaultSm90Mla = kMlaSm90SplitS;
+// The Hopper MLA variant the default selects: S in two chains with TMA key tiles at page sizes
+// that are multiples of 64 (elsewhere the same code as kMlaSm90SplitS). Beside 11 in one H200
+// run: 128-head decode 297.7 -> 293.6 us, the 16-head prefill 1046.1 -> 1028.6 us, the 16-head
+// decode 103.2 -> 104.1 (within the run-to-run spread), page 1 unchanged (bench/RESULTS.md).
+constexpr int kDefaultSm90Mla = kMlaSm90SplitSTma;
 
 // Resolves an MLA variant for the current device as ResolvePrefillVariant does.
 cudaError_t ResolveMlaVariant(int* variant) {

@@ -58,7 +58,7 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
-// capability 9.0), of which the default (-1) selects kMlaSm90SplitS where they run
+// capability 9.0), of which the default (-1) selects kMlaSm90SplitSTma where they run
 // (kernels/cuda/sm90/mla_sm90.cu).
 inline constexpr int kMlaPortable = 0;
 inline constexpr int kMlaSm90 = 10;        // 64-key tiles, two stages
