@@ -30,6 +30,7 @@ POOLS = {
 }
 DECODE = 4  # selector bit 2
 MERGE = 8  # selector bit 3
+PLAN = 16  # selector bit 4 (without MERGE): the page table goes into a plan the call names
 EPOCH = 0xA77E5E11
 
 rng = np.random.default_rng(1234)
@@ -260,6 +261,29 @@ def seeds() -> dict[str, bytes]:
     merged_table.page_table.at.name, merged_table.page_table.at.offset = "r", 1024
     merged_table.page_table.batch, merged_table.page_table.num_pages = 1, 1
     add("region_page_table_merged_read", "gqa", merged_table, MERGE)
+
+    # An output written over the region's header (the caller's memory is the caller's): the
+    # target must restore the region for the inputs after it.
+    over = request("gqa", [1], [1], decode=True, append=False, lse=True)
+    over.output_to.name, over.output_to.offset = "r", 65536
+    over.lse_to.name = "r"  # offset 0
+    add("output_over_the_region_header", "gqa", over)
+
+    # Plans (the table moved into a plan first). Last, so the seeds above keep their bytes.
+    add("plan_gqa_decode_append", "gqa",
+        request("gqa", [1, 1, 1], [1, 4, 9], decode=True, lse=True), PLAN)  # fmt: skip
+    add("plan_gqa_prefill_append", "gqa", request("gqa", [3, 2], [6, 5], layer=1), PLAN)
+    add("plan_mla_decode", "mla", request("mla", [1], [6], decode=True), PLAN)
+    plan_ref = request("gqa", [1], [1], decode=False, append=False)
+    for f in ("kv_indptr", "kv_indices", "kv_last_page_len", "qo_indptr"):
+        plan_ref.ClearField(f)
+    plan_ref.page_table.at.name, plan_ref.page_table.at.offset = "r", 1024
+    plan_ref.page_table.batch, plan_ref.page_table.num_pages = 1, 1
+    add("plan_from_region_prefill", "gqa", plan_ref, PLAN)
+    bad = request("gqa", [1], [6], decode=True)
+    bad.kv_indices[1] = 13  # another session's page: CreatePlan refuses it
+    add("plan_bad_page_other_session", "gqa", bad, PLAN)
+    add("plan_bad_append_longer_than_table", "gqa", request("gqa", [3], [2]), PLAN)
     return out
 
 

@@ -6,6 +6,9 @@
 //   bits 0-1: the pool (0 and 3: kPools[0], 1: kPools[1], 2: kPools[2])
 //   bit 2:    0 = attnserve.v1.PrefillRequest, 1 = DecodeRequest
 //   bit 3:    submit the call twice, to run in one launch (a merged batch of two calls)
+//   bit 4:    (without bit 3) the request's page table goes into a plan first (ValidatePlanTable,
+//             Engine::CreatePlan), which is released from the session at once; the call names
+//             it and keeps it alive until it is over
 // Steps, as the service takes them: parse with the request reader (server/rpc/request_reader.h:
 // tensors stay in the input bytes); validate against the pool (server/api/validate.h), resolving
 // region references against a shared-memory region "r" of kRegionBytes that the connection's
@@ -37,6 +40,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -257,12 +261,35 @@ int64_t Work(const AttentionCall& call, const PoolGeometry& g) {
 }
 
 absl::StatusOr<ValidatedCall> Validate(const v1::PrefillRequest& req, const InlineTensors& data,
-                                       const PoolGeometry& g, const RegionResolver& regions) {
-  return ValidatePrefill(req, data, g, regions);
+                                       const PoolGeometry& g, const RegionResolver& regions,
+                                       const Plan* plan = nullptr) {
+  return ValidatePrefill(req, data, g, regions, FiniteCheck::kHost,
+                         plan ? &plan->table() : nullptr);
 }
 absl::StatusOr<ValidatedCall> Validate(const v1::DecodeRequest& req, const InlineTensors& data,
-                                       const PoolGeometry& g, const RegionResolver& regions) {
-  return ValidateDecode(req, data, g, regions);
+                                       const PoolGeometry& g, const RegionResolver& regions,
+                                       const Plan* plan = nullptr) {
+  return ValidateDecode(req, data, g, regions, FiniteCheck::kHost, plan ? &plan->table() : nullptr);
+}
+
+// The request's page table (fields or PageTableRef) as a CreatePlanRequest for plan "p", and the
+// request naming that plan instead.
+template <typename Request>
+v1::CreatePlanRequest MoveIntoPlan(Request& req, const std::string& pool) {
+  v1::CreatePlanRequest c;
+  c.set_pool(pool);
+  c.set_name("p");
+  if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
+    c.set_prefill(true);
+    c.mutable_qo_indptr()->Swap(req.mutable_qo_indptr());
+  }
+  c.mutable_kv_indptr()->Swap(req.mutable_kv_indptr());
+  c.mutable_kv_indices()->Swap(req.mutable_kv_indices());
+  c.mutable_kv_last_page_len()->Swap(req.mutable_kv_last_page_len());
+  if (req.has_page_table()) c.mutable_page_table()->Swap(req.mutable_page_table());
+  req.clear_page_table();
+  req.set_plan("p");
+  return c;
 }
 
 // Validation errors: INVALID_ARGUMENT, or for region references NOT_FOUND (not registered).
@@ -276,7 +303,7 @@ bool AdmissionError(const absl::Status& st) {
 }
 
 template <typename Request>
-void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool merge) {
+void RunOne(Request req, const InlineTensors& data, int pool_index, bool merge, bool use_plan) {
   const PoolGeometry& g = GetFixture().pools[pool_index];
   // Validation resolves regions, so the world (its engine and region) comes first; an invalid
   // request must leave it as it was.
@@ -290,12 +317,37 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
   const RegionResolver probe_regions = [&](absl::Span<const SliceRef> slices) {
     return probe_engine.ResolveRegions(probe_caller, slices);
   };
-  absl::StatusOr<ValidatedCall> valid = Validate(req, data, g, probe_regions);
+  std::shared_ptr<const Plan> plan;
+  if (use_plan) {
+    Engine::Pool& probe_pool = **probe_engine.FindPool(g.name);
+    const v1::CreatePlanRequest create = MoveIntoPlan(req, g.name);
+    absl::StatusOr<PlanTable> table = ValidatePlanTable(create, g, probe_regions);
+    const absl::Status made =
+        table.ok() ? probe_engine.CreatePlan(probe_pool, probe_caller, "p", *std::move(table))
+                   : table.status();
+    if (!made.ok()) {
+      if (!ValidationError(made) && !AdmissionError(made)) Fail("plan error code", made);
+      Note("no plan:", made);
+      probe.CheckUntouched();
+      return;
+    }
+    constexpr Op kOp = std::is_same_v<Request, v1::PrefillRequest> ? Op::kPrefill : Op::kDecode;
+    absl::StatusOr<std::shared_ptr<const Plan>> found =
+        probe_engine.FindPlan(probe_pool, probe_caller, "p", kOp);
+    if (!found.ok()) Fail("the plan made is not found", found.status());
+    plan = *std::move(found);
+    // Gone from the session: from here on only this call keeps it (and its pins).
+    if (absl::Status st = probe_engine.ReleasePlan(probe_caller, "p"); !st.ok()) {
+      Fail("ReleasePlan", st);
+    }
+  }
+  absl::StatusOr<ValidatedCall> valid = Validate(req, data, g, probe_regions, plan.get());
   if (!valid.ok()) {
     if (!ValidationError(valid.status()) && !absl::IsFailedPrecondition(valid.status())) {
       Fail("validation error code", valid.status());
     }
     Note("invalid:", valid.status());
+    plan.reset();  // its pins go with it
     probe.CheckUntouched();
     return;
   }
@@ -322,8 +374,8 @@ void RunOne(const Request& req, const InlineTensors& data, int pool_index, bool 
   const size_t tokens = call->total_q;
   const bool return_lse = call->return_lse;
   std::vector<Admission> admitted;
-  absl::StatusOr<Admission> first =
-      engine.Admit(pool, caller, std::move(valid->call), std::move(valid->regions));
+  absl::StatusOr<Admission> first = engine.Admit(pool, caller, std::move(valid->call),
+                                                 std::move(valid->regions), std::move(plan));
   if (!first.ok()) {
     if (!AdmissionError(first.status())) Fail("admission error code", first.status());
     Note("not admitted:", first.status());
@@ -395,6 +447,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int pool = (selector & 3) % kNumPools;
   const bool decode = selector & 4;
   const bool merge = selector & 8;
+  const bool plan = !merge && (selector & 16);
   // Two pieces, as a message may arrive in slices: the reader must not care where they split.
   const absl::string_view bytes(reinterpret_cast<const char*>(data + 1), size - 1);
   const size_t cut = bytes.size() / 3;
@@ -406,7 +459,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Note("not a DecodeRequest");
       return 0;
     }
-    RunOne(req, tensors, pool, merge);
+    RunOne(req, tensors, pool, merge, plan);
     if (req.has_output_to() || req.has_lse_to()) GetFixture().Restore();
   } else {
     v1::PrefillRequest req;
@@ -414,7 +467,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Note("not a PrefillRequest");
       return 0;
     }
-    RunOne(req, tensors, pool, merge);
+    RunOne(req, tensors, pool, merge, plan);
     if (req.has_output_to() || req.has_lse_to()) GetFixture().Restore();
   }
   return 0;
