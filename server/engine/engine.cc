@@ -205,23 +205,26 @@ absl::StatusOr<RegionHold> Engine::HoldRegion(const Caller& caller, absl::string
 
 absl::Status Engine::CreatePlan(Pool& pool, const Caller& caller, absl::string_view name,
                                 PlanTable table) {
-  absl::StatusOr<std::shared_ptr<Plan>> replaced;  // destroyed (unpinned) after the lock
-  // Under mu_: a session that closed between the pins and the registry would leave them behind.
-  absl::MutexLock lock(&mu_);
+  ATTN_RETURN_IF_ERROR(PlanRegistry::CheckName(name));
   ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  // Pinning a large table takes a while: outside mu_, as a call's pins are.
   ATTN_ASSIGN_OR_RETURN(std::shared_ptr<Plan> plan,
                         Plan::Create(&pool.pages_, pool.index_, owner, std::move(table)));
+  absl::StatusOr<std::shared_ptr<Plan>> replaced;  // destroyed (unpinned) after the lock
+  absl::MutexLock lock(&mu_);
+  // Still open under mu_, so its release (close, expiry: ReleaseLocked) comes after the plan is
+  // in the registry and takes it along; a session that ended meanwhile gets none (the plan's
+  // pins then go with `plan`, freeing the released pages).
+  if (absl::StatusOr<SessionId> still = Resolve(caller); !still.ok() || *still != owner) {
+    return still.ok() ? absl::NotFoundError("the session ended") : still.status();
+  }
   replaced = plans_.Put(name, std::move(plan));
   return replaced.status();
 }
 
 absl::Status Engine::ReleasePlan(const Caller& caller, absl::string_view name) {
-  absl::StatusOr<std::shared_ptr<Plan>> removed;
-  {
-    ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
-    removed = plans_.Remove(owner, name);
-  }
-  return removed.status();
+  ATTN_ASSIGN_OR_RETURN(const SessionId owner, Resolve(caller));
+  return plans_.Remove(owner, name).status();  // its pins go with its last call
 }
 
 absl::StatusOr<std::shared_ptr<const Plan>> Engine::FindPlan(const Pool& pool, const Caller& caller,

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/engine/regions.h"
+#include "server/engine/status_macros.h"
 
 namespace attn {
 
@@ -15,12 +16,15 @@ absl::StatusOr<std::shared_ptr<Plan>> Plan::Create(PagePool* pages, int pool, Se
 
 Plan::~Plan() { pages_->Unpin(table_.kv_indices); }
 
+absl::Status PlanRegistry::CheckName(absl::string_view name) {
+  if (IsValidName(name)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("plan name '", ShownName(name),
+                                                 "' must be 1-64 characters of [A-Za-z0-9_.-]"));
+}
+
 absl::StatusOr<std::shared_ptr<Plan>> PlanRegistry::Put(absl::string_view name,
                                                         std::shared_ptr<Plan> plan) {
-  if (!IsValidName(name)) {
-    return absl::InvalidArgumentError(absl::StrCat("plan name '", ShownName(name),
-                                                   "' must be 1-64 characters of [A-Za-z0-9_.-]"));
-  }
+  if (absl::Status st = CheckName(name); !st.ok()) return st;
   absl::MutexLock lock(&mu_);
   auto& mine = plans_[plan->session()];
   auto it = mine.find(name);

@@ -66,9 +66,12 @@ class PlanRegistry {
  public:
   explicit PlanRegistry(int max_per_session) : max_per_session_(max_per_session) {}
 
+  // INVALID_ARGUMENT for a name that is not 1-64 bytes of [A-Za-z0-9_.-].
+  static absl::Status CheckName(absl::string_view name);
+
   // Stores `plan` under `name` for its session. Replacing a plan of that name always works
   // (the old one is returned); a new name past the session's limit is RESOURCE_EXHAUSTED, and
-  // INVALID_ARGUMENT for a name that is not 1-64 bytes of [A-Za-z0-9_.-].
+  // CheckName's error for a bad name.
   absl::StatusOr<std::shared_ptr<Plan>> Put(absl::string_view name, std::shared_ptr<Plan> plan);
   // The session's plan `name`: NOT_FOUND when it has none of that name.
   absl::StatusOr<std::shared_ptr<const Plan>> Find(SessionId session, absl::string_view name) const;
