@@ -476,6 +476,30 @@ def test_plans_go_with_their_session(plane_server: PlaneServer) -> None:
         assert client.pool_info("gqa").free_pages == before
 
 
+def test_a_replaced_plan_leaves_its_successor_alone(plane_server: PlaneServer) -> None:
+    """The server knows plans by name: the Plan a plan of its name replaced must neither drop
+    its successor when released nor be usable by calls (it would name the successor)."""
+    with client_for(plane_server, "bytes") as client:
+        s = session(client, "gqa", seed=44)
+        try:
+            s.chunk(["a", "b"], [7, 12])
+            first = client.plan(s.table.csr(["a", "b"]), pool="gqa")
+            s.grow(["a"], [1])
+            csr = s.table.csr(["a"])
+            second = client.plan(csr, pool="gqa")  # the next step, under the same name
+            first.release()
+            with pytest.raises(ValueError, match="replaced"):
+                client.decode(0, table=first, pool="gqa", **s.tokens(2))
+            bits = s.tokens(1)
+            result = client.decode(0, table=second, pool="gqa", return_lse=True, **bits)
+            s.check(0, csr, bits, result, None)
+            second.release()
+            with pytest.raises(NotFound):
+                client.release_plan(second.name)
+        finally:
+            s.close()
+
+
 @pytest.mark.parametrize("transport", ["bytes", "shm"])
 @pytest.mark.parametrize("pool_name", ["gqa", "mla"])
 def test_an_async_plan_serves_every_layer_of_a_step(

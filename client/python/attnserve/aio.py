@@ -44,7 +44,7 @@ from attnserve.calls import (
 )
 from attnserve.errors import AttnError
 from attnserve.pages import BatchCsr
-from attnserve.plans import AsyncPlan
+from attnserve.plans import AsyncPlan, PlanBook
 from attnserve.prepared import rpc_for
 from attnserve.regions import DEFAULT_ARENA_BYTES, DEFAULT_SHM_PREFIX
 from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
@@ -82,6 +82,7 @@ class AsyncClient:
         )
         self._arena_lock = asyncio.Lock()
         self._session = session
+        self._plans = PlanBook()  # the plans made in the session, by name
         # A bearer token goes with every call (servers configured with access_tokens need one).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout
@@ -116,6 +117,7 @@ class AsyncClient:
         its page quota (server default when None)."""
         opened = await self._invoke(OPEN_SESSION, open_session_request(lease_s, max_pages), timeout)
         await self._release_regions(unregister=True)  # they belonged to the previous session
+        self._plans.clear()  # so did its plans
         self._session = opened.session
         return opened
 
@@ -126,6 +128,7 @@ class AsyncClient:
         request = pb.CloseSessionRequest(session=self._session)
         freed = await self._invoke(CLOSE_SESSION, request, timeout)
         await self._release_regions(unregister=False)  # the session's regions went with it
+        self._plans.clear()  # and its plans
         self._session = None
         return freed
 
@@ -276,10 +279,13 @@ class AsyncClient:
         prefill = rpc_for(op) is PREFILL
         request = create_plan_request(table, name, prefill, pool)
         response = await self._invoke(CREATE_PLAN, request, timeout)
-        return AsyncPlan(self.release_plan, name, prefill, response)
+        plan = AsyncPlan(self.release_plan, name, prefill, response)
+        self._plans.add(plan)  # the plan it replaced must not be used or released any more
+        return plan
 
     async def release_plan(self, name: str, *, timeout: float | None = None) -> None:
         """Drops the session's plan `name` (NotFound when there is none)."""
+        self._plans.drop(name)
         await self._invoke(RELEASE_PLAN, pb.ReleasePlanRequest(name=name), timeout)
 
     async def register_region(

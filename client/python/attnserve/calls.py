@@ -274,7 +274,7 @@ def attention_request(
         request.sm_scale = sm_scale
     if isinstance(table, PlanBase):
         if table.released:
-            raise ValueError(f"plan {table.name!r} was released")
+            raise ValueError(f"plan {table.name!r} was released (or replaced by one of its name)")
         if table.prefill != prefill:
             kind = "prefill" if table.prefill else "decode"
             raise ValueError(f"plan {table.name!r} is a {kind} plan; this is a {rpc.name} call")

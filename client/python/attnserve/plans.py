@@ -42,6 +42,36 @@ class PlanBase:
         return f"{type(self).__name__}({self.name!r}, {kind}, {shape})"
 
 
+class PlanBook:
+    """The plans a client made, by name. The server knows a plan by its name only, so once a
+    plan of the same name replaces one, the old Plan object would name its successor: the book
+    marks it released instead, so that its release() does not drop the successor and calls
+    cannot use it. Plans released by name, and every plan when the session changes, are marked
+    released too."""
+
+    def __init__(self) -> None:
+        self._plans: dict[str, PlanBase] = {}
+
+    def add(self, plan: PlanBase) -> None:
+        """Records a plan the server just made, marking the one it replaced released."""
+        old = self._plans.get(plan.name)
+        self._plans[plan.name] = plan
+        if old is not None and old is not plan:
+            old._take()
+
+    def drop(self, name: str) -> None:
+        """Marks the plan of that name released (the client is releasing it)."""
+        plan = self._plans.pop(name, None)
+        if plan is not None:
+            plan._take()
+
+    def clear(self) -> None:
+        """Marks every plan released (the client's session changed: they stay with the old)."""
+        plans, self._plans = self._plans, {}
+        for plan in plans.values():
+            plan._take()
+
+
 class Plan(PlanBase):
     """A page table the server holds under `name` for the client's session (Client.plan).
 
@@ -52,7 +82,8 @@ class Plan(PlanBase):
     """
 
     def release(self) -> None:
-        """Drops the plan on the server (once; a plan replaced by one of its name is gone too)."""
+        """Drops the plan on the server (once; a no-op for a plan replaced by one of its name,
+        which must stay)."""
         if self._take():
             self._release(self.name)
 
@@ -67,7 +98,8 @@ class AsyncPlan(PlanBase):
     """Plan for AsyncClient (AsyncClient.plan): `await plan.release()`, or `async with` it."""
 
     async def release(self) -> None:
-        """Drops the plan on the server (once, even when tasks release it concurrently)."""
+        """Drops the plan on the server (once, even when tasks release it concurrently; a no-op
+        for a plan replaced by one of its name)."""
         if self._take():
             await self._release(self.name)
 

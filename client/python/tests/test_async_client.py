@@ -167,6 +167,26 @@ def test_a_plan_serves_concurrent_layers(fake_address: str) -> None:
     run(fake_address, body)
 
 
+def test_replaced_plans_and_plans_of_a_closed_session_are_released(fake_address: str) -> None:
+    async def body(client: AsyncClient) -> None:
+        table = AsyncPageTable(client, "gqa", 4)
+        await table.reserve("a", 5)
+        first = await client.plan(table.csr(["a"]), pool="gqa")
+        second = await client.plan(table.csr(["a"]), pool="gqa")
+        assert first.released and not second.released
+        await first.release()  # must not drop `second`, which has its name
+        q = randn(np.random.default_rng(4), 1, 4, 8)
+        await client.decode(0, q, second, pool="gqa")
+        other = await client.plan(table.csr(["a"]), pool="gqa", name="other")
+        await client.close_session()
+        assert second.released and other.released
+        with pytest.raises(ValueError, match="released"):
+            await client.decode(0, q, other, pool="gqa")
+        await table.free_all()  # the fake keeps pages across sessions
+
+    run(fake_address, body)
+
+
 def test_deadlines_and_unreachable_servers(echo_address: str) -> None:
     async def slow(client: AsyncClient) -> None:
         with pytest.raises(DeadlineExceeded):
