@@ -3,6 +3,7 @@ package attnserve
 import (
 	"context"
 	"fmt"
+	"sync"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -40,7 +41,10 @@ type PlanRequest struct {
 }
 
 // Plan is a page table the server holds for the session's calls (CreatePlan): set it as
-// AttentionRequest.Plan. It serves one pool and one method.
+// AttentionRequest.Plan. It serves one pool and one method. The server knows a plan by its name
+// only, so once ReleasePlan dropped it, a plan of its name replaced it or its session was closed
+// (through this client or one WithSession made from it), calls refuse it (ErrNotFound) rather
+// than name whatever plan has the name now.
 type Plan struct {
 	Name     string
 	Pool     string // as the request named it
@@ -48,6 +52,53 @@ type Plan struct {
 	Batch    int    // sequences
 	TotalQ   int    // query rows a call naming the plan carries (Batch for Decode)
 	NumPages int    // pages it pins
+
+	book *planBook // nil for a Plan the caller made itself: not checked
+	key  planKey
+	gen  uint64
+}
+
+// planBook is which Plan is current under each session's plan name, shared by a client and the
+// clients WithSession makes from it.
+type planBook struct {
+	mu   sync.Mutex
+	gens map[planKey]uint64 // the current plan's generation
+	last uint64
+}
+
+type planKey struct{ session, name string }
+
+// add records a plan the server just made (replacing any of its key) and returns its generation.
+func (b *planBook) add(key planKey) uint64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.gens == nil {
+		b.gens = map[planKey]uint64{}
+	}
+	b.last++
+	b.gens[key] = b.last
+	return b.last
+}
+
+// drop forgets the plans of the session (all of them when name is "").
+func (b *planBook) drop(session, name string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for key := range b.gens {
+		if key.session == session && (name == "" || key.name == name) {
+			delete(b.gens, key)
+		}
+	}
+}
+
+// current reports whether p is still the plan of its name.
+func (p *Plan) current() bool {
+	if p.book == nil {
+		return true
+	}
+	p.book.mu.Lock()
+	defer p.book.mu.Unlock()
+	return p.book.gens[p.key] == p.gen
 }
 
 // Proto is the request as the wire CreatePlanRequest.
@@ -86,8 +137,10 @@ func (c *Client) CreatePlan(ctx context.Context, req *PlanRequest) (*Plan, error
 	if err != nil {
 		return nil, err
 	}
+	key := planKey{q.Session, q.Name}
 	return &Plan{Name: q.Name, Pool: req.Pool, Prefill: req.Prefill, Batch: int(resp.GetBatch()),
-		TotalQ: int(resp.GetTotalQ()), NumPages: int(resp.GetNumPages())}, nil
+		TotalQ: int(resp.GetTotalQ()), NumPages: int(resp.GetNumPages()),
+		book: c.plans, key: key, gen: c.plans.add(key)}, nil
 }
 
 // ReleasePlan drops the session's plan of that name (NotFound when it has none); its pins go
@@ -98,6 +151,7 @@ func (c *Client) ReleasePlan(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
+	c.plans.drop(session, name)
 	req := &pb.ReleasePlanRequest{Name: name, Session: session}
 	return c.invoke(ctx, "ReleasePlan", func(ctx context.Context, o []grpc.CallOption) error {
 		_, err := c.stub.ReleasePlan(ctx, req, o...)
@@ -105,15 +159,23 @@ func (c *Client) ReleasePlan(ctx context.Context, name string) error {
 	})
 }
 
-// checkPlan refuses a call whose plan serves the other method, before anything is sent.
+// checkPlan refuses a call whose plan serves the other method or is no longer current, before
+// anything is sent.
 func checkPlan(method string, req *AttentionRequest, prefill bool) error {
-	if req.Plan == nil || req.Plan.Prefill == prefill {
+	p := req.Plan
+	switch {
+	case p == nil:
 		return nil
+	case p.Prefill != prefill:
+		kind := "Decode"
+		if p.Prefill {
+			kind = "Prefill"
+		}
+		return &Error{Method: method, Code: codes.InvalidArgument,
+			Message: fmt.Sprintf("plan %q is a %s plan", p.Name, kind)}
+	case !p.current():
+		return &Error{Method: method, Code: codes.NotFound, Message: fmt.Sprintf(
+			"plan %q was released, replaced by a plan of its name or closed with its session", p.Name)}
 	}
-	kind := "Decode"
-	if req.Plan.Prefill {
-		kind = "Prefill"
-	}
-	return &Error{Method: method, Code: codes.InvalidArgument,
-		Message: fmt.Sprintf("plan %q is a %s plan", req.Plan.Name, kind)}
+	return nil
 }

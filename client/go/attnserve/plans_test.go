@@ -50,3 +50,26 @@ func TestPlanOfTheOtherMethodIsRefused(t *testing.T) {
 		t.Fatalf("prefill over a decode plan: %v", err)
 	}
 }
+
+// The plan book: a plan stops being current when one of its session and name replaces it, when
+// it is released and when its session is closed; other sessions' plans are left alone.
+func TestPlanBook(t *testing.T) {
+	b := &planBook{}
+	plan := func(session, name string) *Plan {
+		key := planKey{session, name}
+		return &Plan{Name: name, book: b, key: key, gen: b.add(key)}
+	}
+	first, other, elsewhere := plan("s", "step"), plan("s", "other"), plan("t", "step")
+	second := plan("s", "step")
+	if first.current() || !second.current() || !other.current() || !elsewhere.current() {
+		t.Fatal("a replaced plan is still current, or a plan that was not replaced is not")
+	}
+	b.drop("s", "other")
+	if other.current() || !second.current() {
+		t.Fatal("releasing a plan by name")
+	}
+	b.drop("s", "")
+	if second.current() || !elsewhere.current() || !(&Plan{Name: "step"}).current() {
+		t.Fatal("closing a session")
+	}
+}

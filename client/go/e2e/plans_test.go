@@ -53,8 +53,9 @@ func testPlansOn(t *testing.T, c *attnserve.Client, pool string, staged bool) {
 		if !prefill {
 			want.TotalQ = len(ids)
 		}
-		if *p != want {
-			t.Fatalf("plan %+v, want %+v", *p, want)
+		if got := (attnserve.Plan{Name: p.Name, Pool: p.Pool, Prefill: p.Prefill, Batch: p.Batch,
+			TotalQ: p.TotalQ, NumPages: p.NumPages}); got != want {
+			t.Fatalf("plan %+v, want %+v", got, want)
 		}
 		return p
 	}
@@ -72,12 +73,16 @@ func testPlansOn(t *testing.T, c *attnserve.Client, pool string, staged bool) {
 	_, err = c.Decode(ctx(), &attnserve.AttentionRequest{Pool: pool, Plan: s.plan})
 	expectCode(t, err, codes.InvalidArgument) // a Prefill plan, refused before it is sent
 
-	// The next step's plan replaces the prefill plan under the same name.
+	// The next step's plan replaces the prefill plan under the same name: the old *Plan is
+	// refused rather than naming the new one.
 	s.grow(ids, []int{1, 1, 1})
 	if csr, err = s.table.CSR(ids, nil); err != nil {
 		t.Fatal(err)
 	}
+	prefillPlan := s.plan
 	s.plan = plan(csr, false)
+	_, err = c.Prefill(ctx(), &attnserve.AttentionRequest{Pool: pool, Plan: prefillPlan})
+	expectCode(t, err, codes.NotFound)
 	for layer := 0; layer < s.pool.NumLayers; layer++ {
 		s.call(layer, ids, nil, true)
 	}
@@ -102,11 +107,43 @@ func testPlansOn(t *testing.T, c *attnserve.Client, pool string, staged bool) {
 		t.Fatal(err)
 	}
 	expectCode(t, c.ReleasePlan(ctx(), s.plan.Name), codes.NotFound)
-	_, err = c.Decode(ctx(), &attnserve.AttentionRequest{Pool: pool, Plan: s.plan,
-		Q: attnserve.BF16TensorFromFloat32(make([]float32, len(ids)*s.pool.NumQOHeads*s.pool.QueryDims()),
-			len(ids), s.pool.NumQOHeads, s.pool.QueryDims())})
-	expectCode(t, err, codes.NotFound)
-	if err := s.table.Free(ctx(), "b"); err != nil { // the plan's pins are gone
+	_, err = c.Decode(ctx(), &attnserve.AttentionRequest{Pool: pool, Plan: s.plan})
+	expectCode(t, err, codes.NotFound) // refused by the client
+	q := make([]float32, len(ids)*s.pool.NumQOHeads*s.pool.QueryDims())
+	_, err = c.Decode(ctx(), &attnserve.AttentionRequest{Pool: pool, Plan: &attnserve.Plan{Name: s.plan.Name},
+		Q: attnserve.BF16TensorFromFloat32(q, len(ids), s.pool.NumQOHeads, s.pool.QueryDims())})
+	expectCode(t, err, codes.NotFound) // by the server
+	// The plan's pins are gone.
+	if err := s.table.Free(ctx(), "b"); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// A closed session takes its plans along: their pins do not keep its pages out of the pool,
+// and the client refuses its *Plans afterwards.
+func TestPlansGoWithTheirSession(t *testing.T) {
+	c := live(t)
+	before := freePages(t, c, "gqa")
+	sess, err := c.OpenSession(ctx(), attnserve.SessionOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bound := c.WithSession(sess.ID)
+	pages, err := bound.AllocatePages(ctx(), "gqa", 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	plan, err := bound.CreatePlan(ctx(), &attnserve.PlanRequest{Pool: "gqa", Table: attnserve.BatchCSR{
+		KVIndptr: []int32{0, 2}, KVIndices: pages, KVLastPageLen: []int32{5}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.CloseSession(ctx(), sess.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := freePages(t, c, "gqa"); got != before {
+		t.Fatalf("%d pages free after closing the session, want %d", got, before)
+	}
+	_, err = bound.Decode(ctx(), &attnserve.AttentionRequest{Pool: "gqa", Plan: plan})
+	expectCode(t, err, codes.NotFound)
 }
