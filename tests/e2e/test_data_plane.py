@@ -8,6 +8,7 @@ and ATTNSERVE_BACKEND=cuda.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -21,7 +22,15 @@ import grpc
 import numpy as np
 import pytest
 
-from attnserve import AttnError, BatchCsr, Client, FailedPrecondition, NotFound
+from attnserve import (
+    AsyncClient,
+    AsyncPageTable,
+    AttnError,
+    BatchCsr,
+    Client,
+    FailedPrecondition,
+    NotFound,
+)
 from attnserve.calls import prefill_request
 from attnserve.regions import SharedMemoryArena
 from attnserve.tensors import bf16_to_float
@@ -178,11 +187,7 @@ def test_a_staged_page_table_serves_every_layer(
                     scale = s.default_scale
                     result = client.decode(layer, table=staged, pool=s.pool.name, sm_scale=scale,
                                            return_lse=True, **bits)  # fmt: skip
-                    values = {k: bf16_to_float(v) for k, v in bits.items()}
-                    rows = {k.removesuffix("_new"): v for k, v in values.items() if "_new" in k}
-                    s.mirror.append(layer, csr, rows)
-                    out, lse = s.expected(layer, csr, values, scale)
-                    check_result(result, out, lse)
+                    s.check(layer, csr, bits, result, scale)
         finally:
             s.close()
 
@@ -371,11 +376,7 @@ def test_a_prepared_call_runs_every_layer(
                             call.inputs[name][...] = value
                         result = call.run(layer=layer)
                         assert result.region_output is call.output
-                        values = {k: bf16_to_float(v) for k, v in bits.items()}
-                        rows = {k.removesuffix("_new"): v for k, v in values.items() if "_new" in k}
-                        s.mirror.append(layer, csr, rows)
-                        out, lse = s.expected(layer, csr, values, scale)
-                        check_result(result, out, lse)
+                        s.check(layer, csr, bits, result, scale)
                     queues = [r for r in client.list_regions() if r.call_queue]
                     assert len(queues) == (1 if call_queue else 0)
                 if table_kind == "plan":
@@ -445,11 +446,7 @@ def test_a_plan_serves_every_layer_of_a_step(
                     bits = s.tokens(sum(q_lens))
                     result = call(layer, table=plan, pool=s.pool.name, sm_scale=s.default_scale,
                                   return_lse=True, **bits)  # fmt: skip
-                    values = {k: bf16_to_float(v) for k, v in bits.items()}
-                    rows = {k.removesuffix("_new"): v for k, v in values.items() if "_new" in k}
-                    s.mirror.append(layer, csr, rows)
-                    out, lse = s.expected(layer, csr, values, s.default_scale)
-                    check_result(result, out, lse)
+                    s.check(layer, csr, bits, result, s.default_scale)
                 with pytest.raises(FailedPrecondition):
                     client.free_pages(list(csr.kv_indices[:1]), pool=s.pool.name)
             if staged is not None:
@@ -477,3 +474,74 @@ def test_plans_go_with_their_session(plane_server: PlaneServer) -> None:
         assert client.pool_info("gqa").free_pages < before
         client.close_session()
         assert client.pool_info("gqa").free_pages == before
+
+
+def test_a_replaced_plan_leaves_its_successor_alone(plane_server: PlaneServer) -> None:
+    """The server knows plans by name: the Plan a plan of its name replaced must neither drop
+    its successor when released nor be usable by calls (it would name the successor)."""
+    with client_for(plane_server, "bytes") as client:
+        s = session(client, "gqa", seed=44)
+        try:
+            s.chunk(["a", "b"], [7, 12])
+            first = client.plan(s.table.csr(["a", "b"]), pool="gqa")
+            s.grow(["a"], [1])
+            csr = s.table.csr(["a"])
+            second = client.plan(csr, pool="gqa")  # the next step, under the same name
+            first.release()
+            with pytest.raises(ValueError, match="replaced"):
+                client.decode(0, table=first, pool="gqa", **s.tokens(2))
+            bits = s.tokens(1)
+            result = client.decode(0, table=second, pool="gqa", return_lse=True, **bits)
+            s.check(0, csr, bits, result, None)
+            second.release()
+            with pytest.raises(NotFound):
+                client.release_plan(second.name)
+        finally:
+            s.close()
+
+
+@pytest.mark.parametrize("transport", ["bytes", "shm"])
+@pytest.mark.parametrize("pool_name", ["gqa", "mla"])
+def test_an_async_plan_serves_every_layer_of_a_step(
+    plane_server: PlaneServer, transport: str, pool_name: str
+) -> None:
+    """AsyncClient.plan(): a prefill step and a decode step, each on a plan (made from a staged
+    table over shm), every layer's call (K/V appended) a concurrent task naming it and matching
+    the reference. The plan's pages cannot be freed until it is released; then it is gone."""
+    if transport != "bytes":
+        plane_server.require_regions()
+
+    async def main() -> None:
+        async with AsyncClient(plane_server.address, transport=transport, timeout=60.0,
+                               max_message_bytes=64 << 20) as client:  # fmt: skip
+            pool = await client.pool_info(pool_name)
+            s = PoolSession(client, pool, seed=43)  # type: ignore[arg-type]  # tokens, reference
+            table = AsyncPageTable(client, pool.name, pool.page_size)
+            seqs = ["x", "y", "z"]
+            try:
+                for op, q_lens in (("prefill", [30, 5, 17]), ("decode", [1, 1, 1])):
+                    for seq, n in zip(seqs, q_lens, strict=True):
+                        await table.reserve(seq, n)
+                    csr = table.csr(seqs, q_lens)
+                    staged = await client.stage_page_table(csr) if transport == "shm" else None
+                    plan = await client.plan(staged or csr, op=op, pool=pool.name, name=op)
+                    async with plan:
+                        assert (plan.batch, plan.total_q) == (3, sum(q_lens))
+                        call = client.prefill if op == "prefill" else client.decode
+                        inputs = [s.tokens(sum(q_lens)) for _ in range(pool.num_layers)]
+                        results = await asyncio.gather(*(
+                            call(layer, table=plan, pool=pool.name, sm_scale=s.default_scale,
+                                 return_lse=True, **bits)
+                            for layer, bits in enumerate(inputs)))  # fmt: skip
+                        with pytest.raises(FailedPrecondition):
+                            await client.free_pages(list(csr.kv_indices[:1]), pool=pool.name)
+                    if staged is not None:
+                        staged.release()
+                    for layer, (bits, result) in enumerate(zip(inputs, results, strict=True)):
+                        s.check(layer, csr, bits, result, s.default_scale)
+                    with pytest.raises(NotFound):
+                        await client.release_plan(op)
+            finally:
+                await table.free_all()  # the plans are gone: their pages free
+
+    asyncio.run(main())

@@ -102,11 +102,7 @@ def test_async_client_and_page_table(server, pool_name: str) -> None:
                         )
                     )
                     for layer, (bits, result) in enumerate(zip(inputs, results, strict=True)):
-                        values = {k: bf16_to_float(v) for k, v in bits.items()}
-                        new = {k[:-4]: v for k, v in values.items() if k.endswith("_new")}
-                        session.mirror.append(layer, csr, new)
-                        out, lse = session.expected(layer, csr, values, session.default_scale)
-                        check_result(result, out, lse)
+                        session.check(layer, csr, bits, result, session.default_scale)
             finally:
                 await table.free_all()
 

@@ -140,13 +140,27 @@ class PoolSession:
         result = call(
             layer, table=table, pool=self.pool.name, sm_scale=scale, return_lse=return_lse, **bits
         )
-        values = {k: bf16_to_float(v) for k, v in bits.items()}
-        if new_kv:
-            rows = {k.removesuffix("_new"): v for k, v in values.items() if k.endswith("_new")}
-            self.mirror.append(layer, table, rows)
-        out, lse = self.expected(layer, table, values, scale)
-        check_result(result, out, lse if return_lse else None)
+        self.check(layer, table, bits, result, scale, return_lse=return_lse)
         return result
+
+    def check(
+        self,
+        layer: int,
+        table: BatchCsr,
+        bits: dict[str, np.ndarray],
+        result: AttentionResult,
+        sm_scale: float | None,
+        *,
+        return_lse: bool = True,
+    ) -> None:
+        """Appends a call's new K/V (the *_new entries of its inputs `bits`) to the mirror, then
+        checks its result against the reference over the mirror."""
+        values = {k: bf16_to_float(v) for k, v in bits.items()}
+        rows = {k.removesuffix("_new"): v for k, v in values.items() if k.endswith("_new")}
+        if rows:
+            self.mirror.append(layer, table, rows)
+        out, lse = self.expected(layer, table, values, sm_scale)
+        check_result(result, out, lse if return_lse else None)
 
 
 def check_result(result: AttentionResult, out: np.ndarray, lse: np.ndarray | None) -> None:

@@ -30,6 +30,7 @@ type Client struct {
 	opts    options
 	calls   []grpc.CallOption
 	plane   *dataPlane // the session's registered memory (dataplane.go)
+	plans   *planBook  // the current plan of every name (plans.go), shared with WithSession's
 }
 
 type options struct {
@@ -156,7 +157,8 @@ func NewFromConn(conn grpc.ClientConnInterface, opts ...Option) *Client {
 	if o.token != "" {
 		calls = append(calls, grpc.PerRPCCredentials(bearerToken(o.token)))
 	}
-	c := &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls, auto: &autoSession{}}
+	c := &Client{stub: pb.NewAttentionServiceClient(conn), opts: o, calls: calls, auto: &autoSession{},
+		plans: &planBook{}}
 	target := ""
 	if cc, ok := conn.(*grpc.ClientConn); ok {
 		target = cc.Target()

@@ -335,6 +335,13 @@ func (s *stagedCall) abandon(err error) {
 // attend sends a Prefill or Decode, staging its tensors in shared memory when the client uses
 // it.
 func (c *Client) attend(ctx context.Context, req *AttentionRequest, prefill bool) (*AttentionResult, error) {
+	method := "Decode"
+	if prefill {
+		method = "Prefill"
+	}
+	if err := checkPlan(method, req, prefill); err != nil {
+		return nil, err
+	}
 	shm, err := c.useShm(ctx)
 	if err != nil {
 		return nil, err
@@ -346,10 +353,6 @@ func (c *Client) attend(ctx context.Context, req *AttentionRequest, prefill bool
 		}
 	}
 	var resp *pb.AttentionResponse
-	method := "Decode"
-	if prefill {
-		method = "Prefill"
-	}
 	p, d := c.protos(req, s, prefill)
 	if prefill {
 		err = c.nameSession(ctx, &p.Session)

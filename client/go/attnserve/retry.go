@@ -15,15 +15,17 @@ import (
 //   - RESOURCE_EXHAUSTED with the grpc-retry-pushback-ms trailer (ErrQueueFull), any method:
 //     the server refused the call before queueing it, so nothing happened. The retry waits at
 //     least the pushback the server asked for.
-//   - UNAVAILABLE, for the idempotent methods only: GetServerInfo, Prefill, Decode and
-//     OpenSession. attnserve answers UNAVAILABLE while it drains, for calls it refused before
-//     their launch; UNAVAILABLE from the transport (connection lost mid-call) is ambiguous, the
-//     call may have run. Prefill and Decode are still safe to run twice: the append writes row r
-//     of a sequence at the position the page table fixes, so the same request writes the same
-//     bytes into the same slots. A lost OpenSession leaves an empty session that expires.
-//   - Not AllocatePages, FreePages or CloseSession on UNAVAILABLE: if the lost attempt ran, a
-//     second AllocatePages allocates again and the first pages leak, and a second FreePages may
-//     free pages another client was given in between. They return ErrUnavailable at once.
+//   - UNAVAILABLE, for the idempotent methods only: GetServerInfo, Prefill, Decode,
+//     OpenSession and CreatePlan. attnserve answers UNAVAILABLE while it drains, for calls it
+//     refused before their launch; UNAVAILABLE from the transport (connection lost mid-call) is
+//     ambiguous, the call may have run. Prefill and Decode are still safe to run twice: the
+//     append writes row r of a sequence at the position the page table fixes, so the same
+//     request writes the same bytes into the same slots. A lost OpenSession leaves an empty
+//     session that expires; a second CreatePlan replaces its name's plan with the same table.
+//   - Not AllocatePages, FreePages, CloseSession or ReleasePlan on UNAVAILABLE: if the lost
+//     attempt ran, a second AllocatePages allocates again and the first pages leak, a second
+//     FreePages may free pages another client was given in between, and a second ReleasePlan
+//     answers NotFound. They return ErrUnavailable at once.
 //   - Never ErrPoolExhausted (AllocatePages on a full pool, no pushback: waiting does not free
 //     pages; free or preempt sequences), nor any other code.
 //
@@ -69,6 +71,7 @@ var idempotentMethods = map[string]bool{
 	"Prefill":       true,
 	"Decode":        true,
 	"OpenSession":   true,
+	"CreatePlan":    true,
 }
 
 // retryable reports whether a call that failed with e may be sent again.

@@ -67,6 +67,7 @@ func (c *Client) CloseSession(ctx context.Context, id string) (int, error) {
 	if id == c.session {
 		c.releaseRegions(false) // the session's regions went with it
 	}
+	c.plans.drop(id, "") // and its plans
 	return int(resp.GetFreedPages()), nil
 }
 

@@ -89,6 +89,7 @@ type DataPlane struct {
 	MaxRegionsPerSession     int
 	MaxRegionBytesPerSession int64
 	CudaPCIBusID             string // the server's GPU, for CUDA IPC callers
+	MaxPlansPerSession       int    // plans one session may hold (CreatePlan); 0 without plans
 }
 
 // Pool returns the pool with that name; "" selects the server's only pool (an error if there
@@ -123,7 +124,7 @@ func serverInfoFromProto(r *pb.GetServerInfoResponse) *ServerInfo {
 	if d := r.GetDataPlane(); d != nil {
 		info.DataPlane = DataPlane{SharedMemory: d.GetSharedMemory(), CudaIPC: d.GetCudaIpc(),
 			MaxRegionsPerSession: int(d.GetMaxRegionsPerSession()), MaxRegionBytesPerSession: d.GetMaxRegionBytesPerSession(),
-			CudaPCIBusID: d.GetCudaPciBusId()}
+			CudaPCIBusID: d.GetCudaPciBusId(), MaxPlansPerSession: int(d.GetMaxPlansPerSession())}
 	}
 	for _, p := range r.GetPools() {
 		info.Pools = append(info.Pools, PoolInfo{
@@ -170,6 +171,9 @@ type AttentionRequest struct {
 	// PageTable, when set, replaces Table: the call names it in shared memory when it is
 	// staged there (Client.StagePageTable), else sends its CSR.
 	PageTable *StagedPageTable
+	// Plan, when set, replaces Table and PageTable: the call names the plan (CreatePlan), made
+	// for this method and pool, and carries no page table.
+	Plan *Plan
 	// SMScale is the softmax scale (nil: the server's default 1/sqrt(D) for GQA; MLA needs one).
 	SMScale *float32
 	// ReturnLSE asks for the base-2 log-sum-exp of every row and head.
@@ -195,7 +199,9 @@ func (r *AttentionRequest) PrefillProto() *pb.PrefillRequest {
 		ReturnLse: r.ReturnLSE,
 		Session:   r.Session,
 	}
-	if ref, table := r.table(true); ref != nil {
+	if ref, table := r.table(true); r.Plan != nil {
+		q.Plan = r.Plan.Name
+	} else if ref != nil {
 		q.PageTable = ref
 	} else {
 		q.QoIndptr, q.KvIndptr, q.KvIndices, q.KvLastPageLen =
@@ -236,7 +242,9 @@ func (r *AttentionRequest) DecodeProto() *pb.DecodeRequest {
 		ReturnLse: r.ReturnLSE,
 		Session:   r.Session,
 	}
-	if ref, table := r.table(false); ref != nil {
+	if ref, table := r.table(false); r.Plan != nil {
+		q.Plan = r.Plan.Name
+	} else if ref != nil {
 		q.PageTable = ref
 	} else {
 		q.KvIndptr, q.KvIndices, q.KvLastPageLen = table.KVIndptr, table.KVIndices, table.KVLastPageLen

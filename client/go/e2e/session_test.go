@@ -18,6 +18,7 @@ type session struct {
 	table  *attnserve.PageTable[string]
 	mirror *reference.Mirror
 	rng    *rand.Rand
+	plan   *attnserve.Plan // when set, calls name it instead of carrying their table
 }
 
 func newSession(t *testing.T, c *attnserve.Client, poolName string, seed int64) *session {
@@ -72,6 +73,9 @@ func (s *session) call(layer int, ids []string, qLens []int, appendKV bool) *att
 	}
 	totalQ, h := table.TotalQ(), s.pool.NumQOHeads
 	req := &attnserve.AttentionRequest{Pool: s.pool.Name, Layer: layer, Table: table, ReturnLSE: true}
+	if s.plan != nil { // the call carries no table: the server reads the plan's
+		req.Table, req.Plan = attnserve.BatchCSR{}, s.plan
+	}
 	var q, qpe []float32
 	rows := map[string][]float32{}
 	if s.isMLA() {

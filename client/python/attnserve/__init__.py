@@ -4,7 +4,8 @@
   deadlines and retries (RetryPolicy, retry.py); requests and results are shared (calls.py).
 - AttnError and its subclasses (InvalidArgument, PoolExhausted, QueueFull, ...): errors.py.
 - PageTable / AsyncPageTable / BatchCsr: per-sequence page bookkeeping and CSR page tables.
-- Plan: a step's page table checked and pinned once by the server (Client.plan, plans.py).
+- Plan / AsyncPlan: a step's page table checked and pinned once by the server (Client.plan,
+  AsyncClient.plan; plans.py).
 - Router / HashRing: keeps each sequence on the server holding its pages, over several servers.
 - tensors: bf16 <-> float32 and the wire Tensor message; torch_tensors: the same for torch
   (optional, imported lazily).
@@ -45,7 +46,7 @@ from attnserve.pages import (
     PageAllocator,
     PageTable,
 )
-from attnserve.plans import Plan
+from attnserve.plans import AsyncPlan, Plan
 from attnserve.retry import NO_RETRIES, RetryPolicy
 from attnserve.router import HashRing, Router, ServerBatch
 
@@ -54,6 +55,7 @@ __all__ = [
     "AsyncClient",
     "AsyncPageAllocator",
     "AsyncPageTable",
+    "AsyncPlan",
     "AttentionResult",
     "AttnError",
     "BatchCsr",

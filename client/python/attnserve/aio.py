@@ -1,7 +1,8 @@
 """asyncio client of attnserve.v1.AttentionService (grpc.aio), the twin of attnserve.Client.
 
 Same methods, arguments, deadlines, retries and errors as Client (requests and results come from
-attnserve.calls); every method is a coroutine. Create it inside the event loop that uses it.
+attnserve.calls); every method is a coroutine, and plan() returns an AsyncPlan (`await
+plan.release()` or `async with`). Create it inside the event loop that uses it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import grpc
 from attnserve.calls import (
     ALLOCATE_PAGES,
     CLOSE_SESSION,
+    CREATE_PLAN,
     DECODE,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -23,6 +25,7 @@ from attnserve.calls import (
     OPEN_SESSION,
     PREFILL,
     REGISTER_REGION,
+    RELEASE_PLAN,
     SERVER_INFO,
     UNREGISTER_REGION,
     AttentionResult,
@@ -33,6 +36,7 @@ from attnserve.calls import (
     allocate_pages_request,
     attention_request,
     channel_options,
+    create_plan_request,
     free_pages_request,
     open_session_request,
     select_pool,
@@ -40,6 +44,8 @@ from attnserve.calls import (
 )
 from attnserve.errors import AttnError
 from attnserve.pages import BatchCsr
+from attnserve.plans import AsyncPlan, PlanBook
+from attnserve.prepared import rpc_for
 from attnserve.regions import DEFAULT_ARENA_BYTES, DEFAULT_SHM_PREFIX
 from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
 from attnserve.transport import NeedArena, StagedPageTable, Transport, plane_may_free
@@ -76,6 +82,7 @@ class AsyncClient:
         )
         self._arena_lock = asyncio.Lock()
         self._session = session
+        self._plans = PlanBook()  # the plans made in the session, by name
         # A bearer token goes with every call (servers configured with access_tokens need one).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout
@@ -110,6 +117,7 @@ class AsyncClient:
         its page quota (server default when None)."""
         opened = await self._invoke(OPEN_SESSION, open_session_request(lease_s, max_pages), timeout)
         await self._release_regions(unregister=True)  # they belonged to the previous session
+        self._plans.clear()  # so did its plans
         self._session = opened.session
         return opened
 
@@ -120,6 +128,7 @@ class AsyncClient:
         request = pb.CloseSessionRequest(session=self._session)
         freed = await self._invoke(CLOSE_SESSION, request, timeout)
         await self._release_regions(unregister=False)  # the session's regions went with it
+        self._plans.clear()  # and its plans
         self._session = None
         return freed
 
@@ -254,6 +263,30 @@ class AsyncClient:
             except NeedArena as need:
                 if not await self._add_arena(need, timeout):
                     return StagedPageTable(table)
+
+    async def plan(
+        self,
+        table: BatchCsr | StagedPageTable,
+        *,
+        op: str = "decode",
+        name: str = "step",
+        pool: str = "",
+        timeout: float | None = None,
+    ) -> AsyncPlan:
+        """Has the server check and pin `table` once for the "decode" or "prefill" calls of one
+        step (see Client.plan): pass the result as their `table`, then `await plan.release()`
+        or use `async with`. A plan of the same name is replaced."""
+        prefill = rpc_for(op) is PREFILL
+        request = create_plan_request(table, name, prefill, pool)
+        response = await self._invoke(CREATE_PLAN, request, timeout)
+        plan = AsyncPlan(self.release_plan, name, prefill, response)
+        self._plans.add(plan)  # the plan it replaced must not be used or released any more
+        return plan
+
+    async def release_plan(self, name: str, *, timeout: float | None = None) -> None:
+        """Drops the session's plan `name` (NotFound when there is none)."""
+        self._plans.drop(name)
+        await self._invoke(RELEASE_PLAN, pb.ReleasePlanRequest(name=name), timeout)
 
     async def register_region(
         self, request: pb.RegisterRegionRequest, *, timeout: float | None = None

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attnserve.pages import BatchCsr
-from attnserve.plans import Plan
+from attnserve.plans import PlanBase
 from attnserve.tensors import bf16_to_float, pack_tensor, unpack_tensor, wire_array
 from attnserve.torch_tensors import _import_torch, is_torch_tensor, pack_torch, tensor_to_torch
 from attnserve.transport import TENSOR_FIELDS, StagedPageTable
@@ -225,8 +225,8 @@ def free_pages_request(page_ids: IndexLike, pool: str) -> pb.FreePagesRequest:
 
 
 # A page table argument: CSR arrays, a table staged in shared memory for a step's calls, or a
-# plan the server checked and pinned for them.
-TableLike = BatchCsr | StagedPageTable | Plan
+# plan the server checked and pinned for them (Plan or AsyncPlan).
+TableLike = BatchCsr | StagedPageTable | PlanBase
 
 
 def prefill_request(
@@ -272,9 +272,9 @@ def attention_request(
     request.return_lse = return_lse
     if sm_scale is not None:
         request.sm_scale = sm_scale
-    if isinstance(table, Plan):
+    if isinstance(table, PlanBase):
         if table.released:
-            raise ValueError(f"plan {table.name!r} was released")
+            raise ValueError(f"plan {table.name!r} was released (or replaced by one of its name)")
         if table.prefill != prefill:
             kind = "prefill" if table.prefill else "decode"
             raise ValueError(f"plan {table.name!r} is a {kind} plan; this is a {rpc.name} call")

@@ -51,7 +51,7 @@ from attnserve.calls import (
 )
 from attnserve.errors import AttnError, error_for
 from attnserve.pages import BatchCsr
-from attnserve.plans import Plan
+from attnserve.plans import Plan, PlanBook
 from attnserve.prepared import PreparedCall, rpc_for
 from attnserve.regions import DEFAULT_ARENA_BYTES, DEFAULT_SHM_PREFIX
 from attnserve.retry import DEFAULT_RETRY, NO_RETRIES, Attempts, RetryPolicy
@@ -102,6 +102,7 @@ class Client:
         )
         self._arena_lock = threading.Lock()
         self._session = session
+        self._plans = PlanBook()  # the plans made in the session, by name
         # A bearer token goes with every call (servers configured with access_tokens need one).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout
@@ -136,6 +137,7 @@ class Client:
         its page quota (server default when None)."""
         opened = self._invoke(OPEN_SESSION, open_session_request(lease_s, max_pages), timeout)
         self._release_regions(unregister=True)  # they belonged to the previous session
+        self._plans.clear()  # so did its plans
         self._session = opened.session
         return opened
 
@@ -146,6 +148,7 @@ class Client:
         request = pb.CloseSessionRequest(session=self._session)
         freed = self._invoke(CLOSE_SESSION, request, timeout)
         self._release_regions(unregister=False)  # the session's regions went with it
+        self._plans.clear()  # and its plans
         self._session = None
         return freed
 
@@ -317,10 +320,13 @@ class Client:
         prefill = rpc_for(op) is PREFILL
         request = create_plan_request(table, name, prefill, pool)
         response = self._invoke(CREATE_PLAN, request, timeout)
-        return Plan(self.release_plan, name, prefill, response)
+        plan = Plan(self.release_plan, name, prefill, response)
+        self._plans.add(plan)  # the plan it replaced must not be used or released any more
+        return plan
 
     def release_plan(self, name: str, *, timeout: float | None = None) -> None:
         """Drops the session's plan `name` (NotFound when there is none)."""
+        self._plans.drop(name)
         self._invoke(RELEASE_PLAN, pb.ReleasePlanRequest(name=name), timeout)
 
     def register_region(

@@ -14,6 +14,9 @@ attention.proto describes them (RegisterRegion maps the object and checks its he
 page tables and outputs may be region slices, checked for bounds and alignment), so the
 client's transports can be tested without the C++ server. `seen` keeps every Prefill/Decode
 request as received.
+
+Plans (CreatePlan / ReleasePlan) are kept per session as attention.proto describes them: a call
+naming one uses its table, and FreePages refuses the pages a plan pins.
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ class _Pool:
         self.mirror = CacheMirror.for_pool(info)
 
 
+MAX_PLANS = 4  # DataPlane.max_plans_per_session
+
+
+@dataclass(frozen=True)
+class _Plan:
+    pool: str
+    prefill: bool
+    arrays: dict[str, np.ndarray]  # the page table, as _page_table returns it
+
+
 @dataclass(frozen=True)
 class Failure:
     """A scripted failure of one call: its status, the pushback trailer (ms) to send, and
@@ -64,6 +77,7 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
         self.calls: Counter[str] = Counter()  # calls received per method, failed ones included
         self.shared_memory = shared_memory
         self.regions: dict[tuple[str, str], mmap.mmap] = {}  # (session, name) -> mapping
+        self.plans: dict[tuple[str, str], _Plan] = {}  # (session, name) -> plan
         self.seen: list = []
 
     def fail_next(self, method: str, failure: Failure, times: int = 1) -> None:
@@ -96,6 +110,8 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
         """Drops the session's regions (pages are not kept per session here)."""
         for key in [k for k in self.regions if k[0] == request.session]:
             self.regions.pop(key).close()
+        for key in [k for k in self.plans if k[0] == request.session]:
+            del self.plans[key]
         return pb.CloseSessionResponse()
 
     def RegisterRegion(self, request, context):  # noqa: N802
@@ -106,6 +122,45 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
 
     def ListRegions(self, request, context):  # noqa: N802
         return self._serve("ListRegions", self._list_regions, request, context)
+
+    def CreatePlan(self, request, context):  # noqa: N802
+        return self._serve("CreatePlan", self._create_plan, request, context)
+
+    def ReleasePlan(self, request, context):  # noqa: N802
+        return self._serve("ReleasePlan", self._release_plan, request, context)
+
+    def _create_plan(self, request, context) -> pb.CreatePlanResponse:
+        pool = self._pool(request.pool, context).info.name
+        if not request.HasField("page_table") and request.prefill != bool(request.qo_indptr):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill disagrees with qo_indptr")
+        arrays = self._page_table(request, request.prefill, context)
+        if set(arrays["kv_indices"].tolist()) & self._pools[pool].free:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "pages not allocated")
+        key = (request.session, request.name)
+        if key not in self.plans and sum(k[0] == key[0] for k in self.plans) >= MAX_PLANS:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_PLANS} plans")
+        self.plans[key] = _Plan(pool, request.prefill, arrays)
+        batch = len(arrays["kv_indptr"]) - 1
+        total_q = int(arrays["qo_indptr"][-1]) if request.prefill else batch
+        return pb.CreatePlanResponse(
+            batch=batch, total_q=total_q, num_pages=len(arrays["kv_indices"])
+        )
+
+    def _release_plan(self, request, context) -> pb.ReleasePlanResponse:
+        if self.plans.pop((request.session, request.name), None) is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no plan {request.name!r}")
+        return pb.ReleasePlanResponse()
+
+    def _call_table(self, request, prefill: bool, context) -> dict[str, np.ndarray]:
+        """The page table of a Prefill/Decode: its plan's, else its own (_page_table)."""
+        if not request.plan:
+            return self._page_table(request, prefill, context)
+        plan = self.plans.get((request.session, request.plan))
+        if plan is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no plan {request.plan!r}")
+        if plan.prefill != prefill or plan.pool != self._pool(request.pool, context).info.name:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"plan {request.plan!r} is another's")
+        return dict(plan.arrays)
 
     def _register(self, request, context) -> pb.RegisterRegionResponse:
         if not self.shared_memory or request.WhichOneof("memory") != "shared_memory":
@@ -209,7 +264,7 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
             pools.append(info)
         data_plane = pb.DataPlane(
             shared_memory=self.shared_memory, max_regions_per_session=16,
-            max_region_bytes_per_session=1 << 30)  # fmt: skip
+            max_region_bytes_per_session=1 << 30, max_plans_per_session=MAX_PLANS)  # fmt: skip
         return pb.GetServerInfoResponse(
             version="fake", backend="numpy", device="test", pools=pools,
             max_message_bytes=1 << 28, data_plane=data_plane)  # fmt: skip
@@ -227,14 +282,18 @@ class FakeAttentionService(pb_grpc.AttentionServiceServicer):
         ids = set(request.page_ids)
         if ids & pool.free:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"not allocated: {ids & pool.free}")
+        pinned = {int(i) for p in self.plans.values() if p.pool == pool.info.name
+                  for i in p.arrays["kv_indices"]}  # fmt: skip
+        if ids & pinned:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pinned by a plan: {ids & pinned}")
         pool.free.update(ids)
         return pb.FreePagesResponse(free_pages=len(pool.free))
 
     def _prefill(self, request, context) -> pb.AttentionResponse:
-        return self._attend(request, self._page_table(request, True, context), context)
+        return self._attend(request, self._call_table(request, True, context), context)
 
     def _decode(self, request, context) -> pb.AttentionResponse:
-        arrays = self._page_table(request, False, context)
+        arrays = self._call_table(request, False, context)
         arrays["qo_indptr"] = np.arange(len(arrays["kv_indptr"]), dtype=np.int32)
         return self._attend(request, arrays, context)
 

@@ -12,8 +12,10 @@ import pytest
 from attnserve import (
     AsyncClient,
     AsyncPageTable,
+    AsyncPlan,
     DeadlineExceeded,
     FailedPrecondition,
+    NotFound,
     PoolExhausted,
     Unavailable,
 )
@@ -115,6 +117,72 @@ def test_mla_and_concurrent_calls(fake_address: str) -> None:
         await asyncio.gather(*(decode(s) for s in seqs))
         await table.free_all()
         assert table.num_pages() == 0
+
+    run(fake_address, body)
+
+
+def test_a_plan_serves_concurrent_layers(fake_address: str) -> None:
+    """AsyncClient.plan(): every layer's call names the plan (their tasks run concurrently) and
+    matches the reference; its pages cannot be freed until `async with` releases it, once."""
+
+    async def body(client: AsyncClient) -> None:
+        pool = await client.pool_info("gqa")
+        table = AsyncPageTable(client, "gqa", pool.page_size)
+        mirror = CacheMirror.for_pool(pool)
+        rng = np.random.default_rng(3)
+        for s, n in (("a", 6), ("b", 9)):
+            await table.reserve(s, n)
+        csr = table.csr(["a", "b"], q_lens=[6, 9])
+        inputs = [(randn(rng, 15, 4, 8), randn(rng, 15, 2, 8), randn(rng, 15, 2, 8))
+                  for _ in range(pool.num_layers)]  # fmt: skip
+        async with await client.plan(csr, op="prefill", pool="gqa", name="p0") as plan:
+            assert isinstance(plan, AsyncPlan) and plan.prefill
+            assert (plan.batch, plan.total_q, plan.num_pages) == (2, 15, len(csr.kv_indices))
+            results = await asyncio.gather(*(
+                client.prefill(layer, q, plan, pool="gqa", k_new=k, v_new=v, return_lse=True)
+                for layer, (q, k, v) in enumerate(inputs)))  # fmt: skip
+            with pytest.raises(FailedPrecondition, match="plan"):
+                await client.free_pages(csr.kv_indices[:1].tolist(), pool="gqa")
+            with pytest.raises(ValueError, match="prefill plan"):
+                await client.decode(0, inputs[0][0][:2], plan, pool="gqa")
+        assert plan.released
+        for layer, ((q, k, v), result) in enumerate(zip(inputs, results, strict=True)):
+            mirror.append(layer, csr, {"k": k, "v": v})
+            out, lse = gqa_reference(mirror, layer, csr, q)
+            assert check_close(result.output, out).ok and check_close(result.lse, lse).ok
+        with pytest.raises(ValueError, match="released"):
+            await client.prefill(0, inputs[0][0], plan, pool="gqa")
+        with pytest.raises(NotFound):
+            await client.release_plan("p0")
+
+        decode = await client.plan(table.csr(["a", "b"]), pool="gqa")
+        assert repr(decode) == "AsyncPlan('step', decode, batch=2, pages=5)"
+        q = randn(rng, 2, 4, 8)
+        result = await client.decode(1, q, decode, pool="gqa")
+        assert check_close(result.output, gqa_reference(mirror, 1, table.csr(["a", "b"]), q)[0]).ok
+        await asyncio.gather(decode.release(), decode.release())  # one ReleasePlan: no NotFound
+        await table.free_all()
+        assert (await client.pool_info("gqa")).free_pages == 64
+
+    run(fake_address, body)
+
+
+def test_replaced_plans_and_plans_of_a_closed_session_are_released(fake_address: str) -> None:
+    async def body(client: AsyncClient) -> None:
+        table = AsyncPageTable(client, "gqa", 4)
+        await table.reserve("a", 5)
+        first = await client.plan(table.csr(["a"]), pool="gqa")
+        second = await client.plan(table.csr(["a"]), pool="gqa")
+        assert first.released and not second.released
+        await first.release()  # must not drop `second`, which has its name
+        q = randn(np.random.default_rng(4), 1, 4, 8)
+        await client.decode(0, q, second, pool="gqa")
+        other = await client.plan(table.csr(["a"]), pool="gqa", name="other")
+        await client.close_session()
+        assert second.released and other.released
+        with pytest.raises(ValueError, match="released"):
+            await client.decode(0, q, other, pool="gqa")
+        await table.free_all()  # the fake keeps pages across sessions
 
     run(fake_address, body)
 
