@@ -205,6 +205,23 @@ TEST_F(RegionTableTest, BrokenMemoryFailsCalls) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+// A region whose memory went away stays registered (until unregistered) but is no longer found
+// by a retried registration, nor held by a call queue.
+TEST_F(RegionTableTest, BrokenMemoryIsNotRegisteredOrHeldAgain) {
+  ASSERT_TRUE(table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key").ok());
+  auto memory = std::make_unique<HeapMemory>(1024, &live_);
+  HeapMemory* m = memory.get();
+  ASSERT_TRUE(table_.Commit(1, "a", std::move(memory)).ok());
+  m->Break();
+  EXPECT_EQ(table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(table_.Hold(1, "a", [](RegionGone) {}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(table_.List(1).size(), 1u);
+  EXPECT_TRUE(table_.Remove(1, "a").ok());
+  EXPECT_EQ(live_, 0);
+}
+
 TEST_F(RegionTableTest, ConcurrentCallsAndReleasesKeepCountsExact) {
   for (int round = 0; round < 200; ++round) {
     Register(1, "a", 1024);
