@@ -146,8 +146,9 @@ absl::StatusOr<std::optional<RegionInfo>> RegionTable::Reserve(SessionId session
       // A retry must not report a region whose memory went away as registered (a call queue
       // would be served again, and stop at once).
       if (slot.region->memory->broken()) return BrokenError(name);
+      absl::MutexLock watch(&slot.region->watch_mu);
       return RegionInfo{slot.region->name, slot.region->memory->kind(), slot.size,
-                        slot.region->in_use.load()};
+                        slot.region->in_use.load(), slot.region->held};
     }
     return absl::AlreadyExistsError(
         absl::StrCat("region '", name, "' is already registered by this session"));

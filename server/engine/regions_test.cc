@@ -153,6 +153,12 @@ TEST_F(RegionTableTest, ARetriedRegistrationGetsTheSameRegion) {
   ASSERT_TRUE(again.ok());
   ASSERT_TRUE(again->has_value());  // nothing to map again
   EXPECT_EQ((*again)->size, 1024);
+  EXPECT_FALSE((*again)->held);
+  absl::StatusOr<RegionHold> hold = table_.Hold(1, "a", [](RegionGone) {});
+  ASSERT_TRUE(hold.ok());
+  again = table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key");
+  ASSERT_TRUE(again.ok() && again->has_value());
+  EXPECT_TRUE((*again)->held);  // a call queue serves it: the retry says so
   EXPECT_EQ(table_.Reserve(1, "a", 1024, "shm:/y:0:1024:key").status().code(),
             absl::StatusCode::kAlreadyExists);  // the name, for other memory
   EXPECT_EQ(table_.List(1).size(), 1u);

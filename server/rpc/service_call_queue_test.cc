@@ -304,6 +304,21 @@ TEST_F(CallQueueServiceTest, ACallOverTheQueueAnswersWhatTheRpcAnswers) {
             std::string::npos);
 }
 
+// A retry of a registration whose answer was lost finds the queue that serves, and says so.
+TEST_F(CallQueueServiceTest, ARetriedRegistrationFindsTheServingQueue) {
+  const std::string s = OpenSession();
+  const int32_t page = AllocatePage(s);
+  auto q = Register(s, "q");
+  ASSERT_NE(q, nullptr);
+  grpc::ClientContext ctx;
+  v1::RegisterRegionResponse resp;
+  const grpc::Status st = stub_->RegisterRegion(&ctx, RegistrationOf(*q, s, "q"), &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_TRUE(resp.region().call_queue());
+  EXPECT_EQ(resp.region().size(), q->size());
+  EXPECT_EQ(QueueDecode(*q, DecodeOnto(page, s)), 0) << last_message_;
+}
+
 TEST_F(CallQueueServiceTest, RefusalsComeBackWithTheRpcsCodes) {
   const std::string s = OpenSession(), other = OpenSession();
   const int32_t mine = AllocatePage(s), theirs = AllocatePage(other);
