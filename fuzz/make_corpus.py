@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
-"""Writes the seed corpus of fuzz/request_fuzzer.cc into fuzz/corpus/ (deterministic).
+"""Writes the seed corpora of the fuzz targets (deterministic).
 
-    .venv/bin/python fuzz/make_corpus.py [OUT_DIR]
+    .venv/bin/python fuzz/make_corpus.py [OUT_DIR [QUEUE_OUT_DIR]]
 
-Each seed is one selector byte followed by a serialized PrefillRequest or DecodeRequest (the
-format request_fuzzer.cc documents): valid calls on every pool and op, and malformed ones that
-each break one rule (shapes, dtypes, indptr, page ids and owners, layer, sm_scale, MLA/GQA fields,
-appends longer than the page table), plus truncated and garbage wire bytes.
+fuzz/corpus/ (OUT_DIR), for fuzz/request_fuzzer.cc: each seed is one selector byte followed by a
+serialized PrefillRequest or DecodeRequest (the format request_fuzzer.cc documents): valid calls
+on every pool and op, and malformed ones that each break one rule (shapes, dtypes, indptr, page
+ids and owners, layer, sm_scale, MLA/GQA fields, appends longer than the page table), plus
+truncated and garbage wire bytes.
+
+fuzz/call_queue_corpus/ (QUEUE_OUT_DIR), for fuzz/call_queue_fuzzer.cc: a geometry byte and the
+operations that file documents: valid calls over the queue, and a hostile caller's writes into
+its slots (lengths, methods, timeouts, cancel, states flipped while a call runs, the queue
+header, garbage requests).
 """
 
 from __future__ import annotations
 
 import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -287,16 +294,113 @@ def seeds() -> dict[str, bytes]:
     return out
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent / "corpus"
+# call_queue_fuzzer.cc's operations and slot words (proto/attnserve/v1/call_queue.h).
+WORD, BYTES, PUBLISH, QUEUE, POLL, IDLE, CALL, TIMEOUT = range(8)
+STATE, CLIENT_WAITING, METHOD, REQUEST_LEN, CANCEL, STATUS = 0, 1, 2, 3, 6, 8
+SUBMITTED, TAKEN, DONE = 1, 2, 3
+DECODE, PREFILL = 1, 2
+# CALL's variant bits.
+V_PREFILL, V_APPEND, V_LSE, V_IN_REGION, V_OTHER_SESSION = 1, 2, 4, 64, 128
+
+
+def word(slot: int, index: int, value: int) -> bytes:
+    return bytes([WORD, slot, index]) + struct.pack("<I", value & 0xFFFFFFFF)
+
+
+def call(slot: int, variant: int, offset: int = 0) -> bytes:
+    return bytes([CALL, slot, variant]) + struct.pack("<H", offset)
+
+
+def timeout(slot: int, us: int) -> bytes:
+    return bytes([TIMEOUT, slot]) + struct.pack("<q", us)
+
+
+def publish(slot: int) -> bytes:
+    return bytes([PUBLISH, slot])
+
+
+def queue_word(index: int, value: int) -> bytes:
+    return bytes([QUEUE, index]) + struct.pack("<I", value)
+
+
+def ops(geometry: int, *parts: bytes) -> bytes:
+    return bytes([geometry]) + b"".join(parts)
+
+
+def queue_seeds() -> dict[str, bytes]:
+    four, one = 3, 0  # geometry: 4 slots, 1 slot
+    poll, idle = bytes([POLL]), bytes([IDLE])
+    garbage = bytes((i * 37 + 11) % 256 for i in range(96))
+    every = [call(i, V_APPEND if i % 2 else 0) for i in range(4)]
+    freed = [word(i, STATE, 0) for i in range(4)]
+    again = [call(i, V_LSE) for i in range(4)]
+    return {
+        "decode_append": ops(four, call(0, V_APPEND), idle),
+        "decode_read_lse": ops(four, call(2, V_LSE | (3 << 4)), idle),
+        "prefill_append_lse": ops(four, call(1, V_PREFILL | V_APPEND | V_LSE), idle),
+        "every_slot_then_again": ops(four, *every, idle, *freed, *again, idle),
+        "one_slot_reused": ops(one, call(0, V_APPEND), idle, word(0, STATE, 0), call(0, 0), idle),
+        # q read from the queue's own memory: slot 0's request area, then past the region.
+        "q_in_own_region": ops(four, call(1, V_IN_REGION, (128 + 64) // 16), idle),
+        "q_past_own_region": ops(four, call(1, V_IN_REGION, 0xFFFF), idle),
+        "other_session": ops(four, call(0, V_OTHER_SESSION | V_APPEND), idle),
+        "length_past_area": ops(
+            four, word(0, METHOD, DECODE), word(0, REQUEST_LEN, 0xFFFFFFFF), publish(0), idle
+        ),
+        "length_area_plus_one": ops(
+            four, word(3, METHOD, PREFILL), word(3, REQUEST_LEN, 2049), publish(3), idle
+        ),
+        "unknown_method": ops(four, word(0, METHOD, 99), word(0, REQUEST_LEN, 4), publish(0), idle),
+        "garbage_request": ops(
+            four,
+            bytes([BYTES, 0, 0, 0, len(garbage)]) + garbage,
+            word(0, METHOD, DECODE),
+            word(0, REQUEST_LEN, len(garbage)),
+            publish(0),
+            idle,
+        ),
+        "negative_timeout": ops(four, timeout(0, -1), call(0, V_APPEND), idle),
+        "tiny_timeout": ops(four, timeout(0, 1), call(0, 0), idle),
+        "cancelled": ops(four, word(0, CANCEL, 1), call(0, V_APPEND), idle),
+        # Hostile: the state flipped back while the call runs, the answer's words scribbled,
+        # states the server ignores, a caller that sleeps, the queue header overwritten.
+        "flip_back_while_running": ops(
+            four,
+            call(0, V_APPEND),
+            word(0, STATE, SUBMITTED),
+            word(0, STATE, TAKEN),
+            poll,
+            word(0, STATE, SUBMITTED),
+            idle,
+        ),
+        "answer_words_scribbled": ops(
+            four, call(0, 0), word(0, STATUS, 0xFFFFFFFF), word(0, STATUS + 1, 0xFFFFFFFF), idle
+        ),
+        "unknown_states": ops(
+            four, word(0, STATE, 7), word(1, STATE, DONE), word(2, STATE, 0xFFFFFFFF), call(3, 0)
+        ),
+        "client_waiting": ops(four, word(1, CLIENT_WAITING, 1), call(1, V_APPEND), idle),
+        "queue_header_scribbled": ops(
+            four, queue_word(0, 0xFFFFFFFF), queue_word(1, 1), queue_word(2, 1), call(0, 0), idle
+        ),
+        "publish_without_idle": ops(four, call(0, V_APPEND), call(1, V_LSE), call(2, V_PREFILL)),
+    }
+
+
+def write(out_dir: Path, all_seeds: dict[str, bytes]) -> None:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    all_seeds = seeds()
     for name, data in all_seeds.items():
         (out_dir / name).write_bytes(data)
     total = sum(len(d) for d in all_seeds.values())
     print(f"wrote {len(all_seeds)} seeds ({total} bytes) to {out_dir}")
+
+
+def main() -> None:
+    here = Path(__file__).resolve().parent
+    write(Path(sys.argv[1]) if len(sys.argv) > 1 else here / "corpus", seeds())
+    write(Path(sys.argv[2]) if len(sys.argv) > 2 else here / "call_queue_corpus", queue_seeds())
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
+#include "fuzz/verbose.h"
 #include "google/protobuf/stubs/logging.h"
 #include "server/api/pool_config.h"
 #include "server/api/validate.h"
@@ -103,16 +104,8 @@ v1::PoolConfig PoolConfig(int index) {
 }
 constexpr int kNumPools = 3;
 
-bool Verbose() {
-  static const bool verbose = [] {
-    const char* env = std::getenv("ATTN_FUZZ_VERBOSE");
-    return env != nullptr && env[0] == '1';
-  }();
-  return verbose;
-}
-
 void Note(const char* what, const absl::Status& status = absl::OkStatus()) {
-  if (!Verbose()) return;
+  if (!FuzzVerbose()) return;
   std::fprintf(stderr, "request_fuzzer: %s%s%s\n", what, status.ok() ? "" : " ",
                status.ok() ? "" : status.ToString().c_str());
 }

@@ -98,6 +98,16 @@ std::string ShownName(absl::string_view name) {
   return out;
 }
 
+namespace {
+
+absl::Status BrokenError(absl::string_view name) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("region '", name,
+                   "' lost its memory (the shared-memory object was truncated); unregister it"));
+}
+
+}  // namespace
+
 RegionTable::Slot* RegionTable::FindLocked(SessionId session, absl::string_view name) {
   auto s = sessions_.find(session);
   if (s == sessions_.end()) return nullptr;
@@ -133,8 +143,12 @@ absl::StatusOr<std::optional<RegionInfo>> RegionTable::Reserve(SessionId session
   if (auto it = s.by_name.find(name); it != s.by_name.end()) {
     const Slot& slot = it->second;
     if (slot.region != nullptr && !what.empty() && slot.what == what) {
+      // A retry must not report a region whose memory went away as registered (a call queue
+      // would be served again, and stop at once).
+      if (slot.region->memory->broken()) return BrokenError(name);
+      absl::MutexLock watch(&slot.region->watch_mu);
       return RegionInfo{slot.region->name, slot.region->memory->kind(), slot.size,
-                        slot.region->in_use.load()};
+                        slot.region->in_use.load(), slot.region->held};
     }
     return absl::AlreadyExistsError(
         absl::StrCat("region '", name, "' is already registered by this session"));
@@ -277,6 +291,7 @@ absl::StatusOr<RegionHold> RegionTable::Hold(SessionId session, absl::string_vie
     return absl::NotFoundError(
         absl::StrCat("region '", ShownName(name), "' is not registered by this session"));
   }
+  if (slot->region->memory->broken()) return BrokenError(name);
   RegionHold hold;
   {
     absl::MutexLock watch(&slot->region->watch_mu);

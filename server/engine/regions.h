@@ -176,7 +176,8 @@ class RegionTable {
   // a name the session uses for other memory, RESOURCE_EXHAUSTED past a limit. Then exactly one
   // of Commit (the mapping succeeded) or Abandon (it failed). `what` identifies the memory (kind,
   // name or handle, offset, size, key): a retry of a registration that succeeded (its answer was
-  // lost) finds the same `what` and gets the region's info instead, with nothing reserved.
+  // lost) finds the same `what` and gets the region's info instead, with nothing reserved
+  // (FAILED_PRECONDITION instead when the region's memory went away: MappedMemory::broken).
   absl::StatusOr<std::optional<RegionInfo>> Reserve(SessionId session, absl::string_view name,
                                                     int64_t size, std::string what = "");
   // Installs the mapping under a reserved name. If the session was released in between, the
@@ -203,7 +204,8 @@ class RegionTable {
 
   // Holds the session's region `name` (NOT_FOUND when not registered). `on_gone` runs once, when
   // the region leaves the table, under this table's lock: it must not block or call back into
-  // the table. A region has at most one holder (FAILED_PRECONDITION for a second).
+  // the table. A region has at most one holder (FAILED_PRECONDITION for a second, and for a
+  // region whose memory went away).
   absl::StatusOr<RegionHold> Hold(SessionId session, absl::string_view name,
                                   std::function<void(RegionGone)> on_gone);
 

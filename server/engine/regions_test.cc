@@ -153,6 +153,12 @@ TEST_F(RegionTableTest, ARetriedRegistrationGetsTheSameRegion) {
   ASSERT_TRUE(again.ok());
   ASSERT_TRUE(again->has_value());  // nothing to map again
   EXPECT_EQ((*again)->size, 1024);
+  EXPECT_FALSE((*again)->held);
+  absl::StatusOr<RegionHold> hold = table_.Hold(1, "a", [](RegionGone) {});
+  ASSERT_TRUE(hold.ok());
+  again = table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key");
+  ASSERT_TRUE(again.ok() && again->has_value());
+  EXPECT_TRUE((*again)->held);  // a call queue serves it: the retry says so
   EXPECT_EQ(table_.Reserve(1, "a", 1024, "shm:/y:0:1024:key").status().code(),
             absl::StatusCode::kAlreadyExists);  // the name, for other memory
   EXPECT_EQ(table_.List(1).size(), 1u);
@@ -203,6 +209,23 @@ TEST_F(RegionTableTest, BrokenMemoryFailsCalls) {
   EXPECT_EQ(use->CheckIntact().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(table_.Resolve(1, {{"a", 0, 16, "q"}}).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// A region whose memory went away stays registered (until unregistered) but is no longer found
+// by a retried registration, nor held by a call queue.
+TEST_F(RegionTableTest, BrokenMemoryIsNotRegisteredOrHeldAgain) {
+  ASSERT_TRUE(table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key").ok());
+  auto memory = std::make_unique<HeapMemory>(1024, &live_);
+  HeapMemory* m = memory.get();
+  ASSERT_TRUE(table_.Commit(1, "a", std::move(memory)).ok());
+  m->Break();
+  EXPECT_EQ(table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(table_.Hold(1, "a", [](RegionGone) {}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(table_.List(1).size(), 1u);
+  EXPECT_TRUE(table_.Remove(1, "a").ok());
+  EXPECT_EQ(live_, 0);
 }
 
 TEST_F(RegionTableTest, ConcurrentCallsAndReleasesKeepCountsExact) {

@@ -2,6 +2,11 @@
 // client/cpp's CallQueueClient for the calls) over an Engine with the CPU backend: calls over
 // a queue answer what the RPCs answer, with the same codes, and the queue goes with its session.
 // Launches can be held at a gate, so "a call in flight" is a state the test waits for, not a race.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -17,6 +22,7 @@
 #include "kernels/bf16.h"
 #include "proto/attnserve/v1/call_queue.h"
 #include "server/backends/cpu_backend.h"
+#include "server/backends/shared_memory.h"
 #include "server/rpc/service.h"
 
 namespace attn {
@@ -177,29 +183,37 @@ class CallQueueServiceTest : public ::testing::Test {
     return resp.page_ids_size() == 1 ? resp.page_ids(0) : -1;
   }
   // A queue registered for `session` under `name`; nullptr and *status on failure.
-  std::unique_ptr<CallQueueClient> Register(const std::string& session, const std::string& name,
-                                            grpc::Status* status = nullptr,
-                                            const std::string& token = "") {
-    std::string error;
-    auto queue = CallQueueClient::Create({}, &error);
-    EXPECT_NE(queue, nullptr) << error;
+  // What registers `queue` as the session's queue `name`.
+  static v1::RegisterRegionRequest RegistrationOf(const CallQueueClient& queue,
+                                                  const std::string& session,
+                                                  const std::string& name) {
     v1::RegisterRegionRequest req;
     req.set_name(name);
     req.set_session(session);
-    req.mutable_shared_memory()->set_shm_name(queue->shm_name());
-    req.set_size(queue->size());
-    req.set_key(queue->key());
-    req.mutable_call_queue()->set_slots(queue->options().slots);
-    req.mutable_call_queue()->set_request_bytes(queue->options().request_bytes);
-    req.mutable_call_queue()->set_response_bytes(queue->options().response_bytes);
+    req.mutable_shared_memory()->set_shm_name(queue.shm_name());
+    req.set_size(queue.size());
+    req.set_key(queue.key());
+    req.mutable_call_queue()->set_slots(queue.options().slots);
+    req.mutable_call_queue()->set_request_bytes(queue.options().request_bytes);
+    req.mutable_call_queue()->set_response_bytes(queue.options().response_bytes);
+    return req;
+  }
+  // The segment's name stays until the queue's Unlink when `unlink` is false.
+  std::unique_ptr<CallQueueClient> Register(const std::string& session, const std::string& name,
+                                            grpc::Status* status = nullptr,
+                                            const std::string& token = "", bool unlink = true) {
+    std::string error;
+    auto queue = CallQueueClient::Create({}, &error);
+    EXPECT_NE(queue, nullptr) << error;
     grpc::ClientContext ctx;
     Authorize(&ctx, token);
     v1::RegisterRegionResponse resp;
-    const grpc::Status st = stub_->RegisterRegion(&ctx, req, &resp);
+    const grpc::Status st =
+        stub_->RegisterRegion(&ctx, RegistrationOf(*queue, session, name), &resp);
     if (status != nullptr) *status = st;
     if (!st.ok()) return nullptr;
     EXPECT_TRUE(resp.region().call_queue());
-    queue->Unlink();
+    if (unlink) queue->Unlink();
     return queue;
   }
   grpc::Status Unregister(const std::string& session, const std::string& name) {
@@ -217,6 +231,39 @@ class CallQueueServiceTest : public ::testing::Test {
     if (a.code == 0 && resp != nullptr) EXPECT_TRUE(resp->ParseFromString(a.bytes));
     if (a.code != 0) last_message_ = a.bytes;
     return a.code;
+  }
+  // A decode over `page`'s token 0 without an append (DecodeOnto's, once appended).
+  static v1::DecodeRequest ReadOf(int32_t page, const std::string& session) {
+    v1::DecodeRequest r = DecodeOnto(page, session);
+    r.clear_k_new();
+    r.clear_v_new();
+    return r;
+  }
+  // The first output element of ReadOf(page) over gRPC (NaN when the call fails).
+  float ReadBack(int32_t page, const std::string& session) {
+    grpc::ClientContext ctx;
+    v1::AttentionResponse resp;
+    const grpc::Status st = stub_->Decode(&ctx, ReadOf(page, session), &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    if (!st.ok() || resp.output().data().size() < sizeof(bf16)) return std::nanf("");
+    return Bf16ToFloat(reinterpret_cast<const bf16*>(resp.output().data().data())[0]);
+  }
+  // The session's region `name` as ListRegions shows it (an empty name when it has none).
+  v1::RegionInfo Listed(const std::string& session, const std::string& name) {
+    grpc::ClientContext ctx;
+    v1::ListRegionsRequest req;
+    req.set_session(session);
+    v1::ListRegionsResponse resp;
+    EXPECT_TRUE(stub_->ListRegions(&ctx, req, &resp).ok());
+    for (const v1::RegionInfo& r : resp.regions()) {
+      if (r.name() == name) return r;
+    }
+    return {};
+  }
+  // Waits until the queue `name` stopped serving: its region is no longer held as a queue. For
+  // queues whose memory the test must not touch (closed() would read it).
+  void AwaitStopped(const std::string& session, const std::string& name) {
+    while (Listed(session, name).call_queue()) std::this_thread::yield();
   }
   static void AwaitClosed(const CallQueueClient& q) {
     while (!q.closed()) std::this_thread::yield();
@@ -255,6 +302,21 @@ TEST_F(CallQueueServiceTest, ACallOverTheQueueAnswersWhatTheRpcAnswers) {
   // Counted as Decode calls, as the RPCs are.
   EXPECT_NE(metrics_->Scrape().find(R"(attn_rpc_requests_total{code="ok",method="Decode"} 3)"),
             std::string::npos);
+}
+
+// A retry of a registration whose answer was lost finds the queue that serves, and says so.
+TEST_F(CallQueueServiceTest, ARetriedRegistrationFindsTheServingQueue) {
+  const std::string s = OpenSession();
+  const int32_t page = AllocatePage(s);
+  auto q = Register(s, "q");
+  ASSERT_NE(q, nullptr);
+  grpc::ClientContext ctx;
+  v1::RegisterRegionResponse resp;
+  const grpc::Status st = stub_->RegisterRegion(&ctx, RegistrationOf(*q, s, "q"), &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_TRUE(resp.region().call_queue());
+  EXPECT_EQ(resp.region().size(), q->size());
+  EXPECT_EQ(QueueDecode(*q, DecodeOnto(page, s)), 0) << last_message_;
 }
 
 TEST_F(CallQueueServiceTest, RefusalsComeBackWithTheRpcsCodes) {
@@ -371,6 +433,128 @@ TEST_F(CallQueueServiceTest, UnregisteringWaitsForTheCallInFlight) {
   unregisterer.join();
   EXPECT_EQ(code, 0) << last_message_;
   EXPECT_TRUE(unregister_status.ok()) << unregister_status.error_message();
+}
+
+// The caller's own view of its segment through the SIGBUS guard (server/backends/shared_memory.h),
+// with the object's descriptor to truncate it: the test keeps running after the truncation
+// however it touches the view (a CallQueueClient's mapping is not guarded: touching it after
+// the truncation would kill the test).
+struct CallerView {
+  explicit CallerView(const CallQueueClient& q) {
+    fd = shm_open(q.shm_name().c_str(), O_RDWR, 0);
+    EXPECT_GE(fd, 0) << std::strerror(errno);
+    RegionSpec spec;
+    spec.shm_name = q.shm_name();
+    spec.size = q.size();
+    spec.key = q.key();
+    absl::StatusOr<std::unique_ptr<SharedMemoryMapping>> m = MapSharedMemory(spec, "/attnserve");
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (m.ok()) mapping = *std::move(m);
+    geometry = q.options();
+  }
+  ~CallerView() {
+    if (fd >= 0) close(fd);
+  }
+  char* Slot(int i) const {
+    return mapping->data() + cq::kSlots +
+           i * cq::SlotStride(geometry.request_bytes, geometry.response_bytes);
+  }
+  // Publishes a call into slot i as a caller does.
+  void Publish(int i, uint32_t method, const std::string& request) const {
+    char* slot = Slot(i);
+    std::memcpy(slot + cq::kSlotHeaderBytes, request.data(), request.size());
+    cq::Word(slot, cq::kMethod).store(method);
+    cq::Word(slot, cq::kRequestLen).store(static_cast<uint32_t>(request.size()));
+    cq::Word64(slot, cq::kTimeoutUs).store(0);
+    cq::Word(slot, cq::kState).store(cq::kSubmitted);
+    cq::Word(mapping->data(), cq::kDoorbell).fetch_add(1);
+    cq::FutexWake(mapping->data() + cq::kDoorbell, 1);
+  }
+  void Truncate(int64_t bytes) const { ASSERT_EQ(ftruncate(fd, bytes), 0) << std::strerror(errno); }
+
+  int fd = -1;
+  std::unique_ptr<SharedMemoryMapping> mapping;
+  CallQueueClient::Options geometry;
+};
+
+// A caller truncating its queue's segment (to nothing, or to half: the later slots' pages go)
+// while the queue is idle: the queue stops (its region is no longer held), the region is
+// refused as broken, and everything else goes on: the session's RPCs, another session's queue,
+// unregistering the broken queue and registering a new one under its name.
+class TruncatedCallQueueTest : public CallQueueServiceTest,
+                               public ::testing::WithParamInterface<bool> {};
+
+TEST_P(TruncatedCallQueueTest, AnIdleQueueStopsAndTheServerServesOn) {
+  const bool to_half = GetParam();
+  const std::string s = OpenSession(), other = OpenSession();
+  const int32_t a = AllocatePage(s), b = AllocatePage(other);
+  auto q = Register(s, "q", nullptr, "", /*unlink=*/false);
+  auto q2 = Register(other, "q");
+  ASSERT_NE(q, nullptr);
+  ASSERT_NE(q2, nullptr);
+  ASSERT_EQ(QueueDecode(*q, DecodeOnto(a, s)), 0) << last_message_;
+  CallerView view(*q);
+  ASSERT_NE(view.mapping, nullptr);
+  q->Unlink();
+  // Half, in whole pages: slot 0 keeps its pages, the last slot loses its.
+  view.Truncate(to_half ? q->size() / 2 / 4096 * 4096 : 0);
+  // From here on the test touches neither q's memory nor the view's.
+  AwaitStopped(s, "q");
+  EXPECT_EQ(Listed(s, "q").name(), "q");  // still registered, no longer served
+  // The session's RPCs and the other session's queue are served.
+  EXPECT_EQ(ReadBack(a, s), 1.5f);
+  EXPECT_EQ(QueueDecode(*q2, DecodeOnto(b, other)), 0) << last_message_;
+  // A tensor in the broken region is refused.
+  v1::DecodeRequest in_region = ReadOf(a, s);
+  v1::AttentionResponse resp;
+  in_region.mutable_q()->clear_data();
+  in_region.mutable_q()->mutable_region()->set_name("q");
+  in_region.mutable_q()->mutable_region()->set_offset(4096);
+  {
+    grpc::ClientContext ctx;
+    const grpc::Status st = stub_->Decode(&ctx, in_region, &resp);
+    EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
+  }
+  // A retry of the queue's registration (its answer lost, say) does not bring it back.
+  {
+    grpc::ClientContext ctx;
+    v1::RegisterRegionResponse reg;
+    const grpc::Status st = stub_->RegisterRegion(&ctx, RegistrationOf(*q, s, "q"), &reg);
+    EXPECT_EQ(st.error_code(), StatusCode::FAILED_PRECONDITION) << st.error_message();
+    EXPECT_FALSE(reg.region().call_queue());
+  }
+  EXPECT_EQ(Listed(s, "q").name(), "q");
+  // The broken queue goes; a new one takes its name.
+  ASSERT_TRUE(Unregister(s, "q").ok());
+  auto again = Register(s, "q");
+  ASSERT_NE(again, nullptr);
+  EXPECT_EQ(QueueDecode(*again, ReadOf(a, s)), 0) << last_message_;
+}
+
+INSTANTIATE_TEST_SUITE_P(ToNothingOrHalf, TruncatedCallQueueTest, ::testing::Bool());
+
+// The segment truncated while a call over it is held at its launch: the call ends as it would
+// have (its request was copied out before it was handed on: its token is appended), its answer
+// goes into the zero pages, and the queue stops once it is over.
+TEST_F(CallQueueServiceTest, ACallInFlightEndsWhenItsSegmentIsTruncated) {
+  const std::string s = OpenSession();
+  const int32_t page = AllocatePage(s);
+  auto q = Register(s, "q", nullptr, "", /*unlink=*/false);
+  ASSERT_NE(q, nullptr);
+  CallerView view(*q);
+  ASSERT_NE(view.mapping, nullptr);
+  q->Unlink();
+  gate_.Hold(true);
+  view.Publish(0, cq::kDecode, DecodeOnto(page, s).SerializeAsString());
+  gate_.AwaitRunning();
+  view.Truncate(0);
+  EXPECT_TRUE(Listed(s, "q").call_queue());  // held until its call is over
+  gate_.Hold(false);
+  AwaitStopped(s, "q");
+  EXPECT_NE(metrics_->Scrape().find(R"(attn_rpc_requests_total{code="ok",method="Decode"} 1)"),
+            std::string::npos);
+  EXPECT_EQ(ReadBack(page, s), 1.5f);  // the call appended its token
+  EXPECT_TRUE(Unregister(s, "q").ok());
 }
 
 }  // namespace
