@@ -298,7 +298,7 @@ def seeds() -> dict[str, bytes]:
 WORD, BYTES, PUBLISH, QUEUE, POLL, IDLE, CALL, TIMEOUT = range(8)
 STATE, CLIENT_WAITING, METHOD, REQUEST_LEN, CANCEL, STATUS = 0, 1, 2, 3, 6, 8
 SUBMITTED, TAKEN, DONE = 1, 2, 3
-DECODE, PREFILL = 1, 2
+METHOD_DECODE, METHOD_PREFILL = 1, 2  # call_queue.h's methods (not the selector bits above)
 # CALL's variant bits.
 V_PREFILL, V_APPEND, V_LSE, V_IN_REGION, V_OTHER_SESSION = 1, 2, 4, 64, 128
 
@@ -345,16 +345,16 @@ def queue_seeds() -> dict[str, bytes]:
         "q_past_own_region": ops(four, call(1, V_IN_REGION, 0xFFFF), idle),
         "other_session": ops(four, call(0, V_OTHER_SESSION | V_APPEND), idle),
         "length_past_area": ops(
-            four, word(0, METHOD, DECODE), word(0, REQUEST_LEN, 0xFFFFFFFF), publish(0), idle
+            four, word(0, METHOD, METHOD_DECODE), word(0, REQUEST_LEN, 0xFFFFFFFF), publish(0), idle
         ),
         "length_area_plus_one": ops(
-            four, word(3, METHOD, PREFILL), word(3, REQUEST_LEN, 2049), publish(3), idle
+            four, word(3, METHOD, METHOD_PREFILL), word(3, REQUEST_LEN, 2049), publish(3), idle
         ),
         "unknown_method": ops(four, word(0, METHOD, 99), word(0, REQUEST_LEN, 4), publish(0), idle),
         "garbage_request": ops(
             four,
             bytes([BYTES, 0, 0, 0, len(garbage)]) + garbage,
-            word(0, METHOD, DECODE),
+            word(0, METHOD, METHOD_DECODE),
             word(0, REQUEST_LEN, len(garbage)),
             publish(0),
             idle,
