@@ -131,10 +131,21 @@ AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const in
     }
     q_begin += q_lens[b];
   }
-  // Longest first: the tail of the launch is made of short items.
-  std::stable_sort(plan.items.begin(), plan.items.end(), [](const WorkItem& a, const WorkItem& b) {
-    return a.kv_end - a.kv_begin > b.kv_end - b.kv_begin;
-  });
+  // Longest first, by sequence: the sequences in the order of their longest item, each one's
+  // items longest first. So the tail of the launch is made of short items, and the CTAs that
+  // run side by side are mostly one sequence's (its key tiles stay in L2 for all its query
+  // tiles). Sorting the items alone interleaved the sequences: 8 x 512 on 1024 (40/10 heads)
+  // read every sequence's K/V once per query tile from DRAM (L2 hit rate 33%, 2.2 TB/s).
+  std::vector<int32_t> longest(batch_size, 0);
+  for (const WorkItem& w : plan.items) {
+    longest[w.seq] = std::max(longest[w.seq], w.kv_end - w.kv_begin);
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [&longest](const WorkItem& a, const WorkItem& b) {
+                     if (longest[a.seq] != longest[b.seq]) return longest[a.seq] > longest[b.seq];
+                     if (a.seq != b.seq) return a.seq < b.seq;
+                     return a.kv_end - a.kv_begin > b.kv_end - b.kv_begin;
+                   });
   return plan;
 }
 

@@ -1,6 +1,7 @@
 #include "kernels/cuda/plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -77,9 +78,20 @@ void ExpectPlanCovers(const PlanConfig& c, const AttentionPlan& plan,
   int max_splits = 0;
   for (const MergeRow& m : plan.merges) max_splits = std::max(max_splits, m.num_splits);
   EXPECT_EQ(plan.max_splits, max_splits);
-  for (size_t i = 1; i < plan.items.size(); ++i) {
-    EXPECT_GE(plan.items[i - 1].kv_end - plan.items[i - 1].kv_begin,
-              plan.items[i].kv_end - plan.items[i].kv_begin);
+  // Sequence by sequence, in the order of their longest items, each one's items longest first.
+  const auto keys = [](const WorkItem& w) { return w.kv_end - w.kv_begin; };
+  std::set<int> done;
+  int32_t group_longest = std::numeric_limits<int32_t>::max();
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    const WorkItem& w = plan.items[i];
+    if (i > 0 && w.seq == plan.items[i - 1].seq) {
+      EXPECT_GE(keys(plan.items[i - 1]), keys(w)) << "item " << i;
+      continue;
+    }
+    if (i > 0) done.insert(plan.items[i - 1].seq);
+    EXPECT_FALSE(done.contains(w.seq)) << "sequence " << w.seq << " comes back at item " << i;
+    EXPECT_LE(keys(w), group_longest) << "item " << i;
+    group_longest = keys(w);
   }
 }
 
@@ -196,6 +208,32 @@ TEST(PlanTest, LongCausalPrefillIsNotSplitAndRunsLongestFirst) {
   EXPECT_EQ(plan.items.front().kv_end, 8192);  // the last tile sees every key
   EXPECT_EQ(plan.items.back().kv_end, 32);     // the first tile: tokens 0..31
   ExpectPlanCovers(c, plan, q, kv);
+}
+
+// Equal causal sequences: each one's items together (its keys stay in L2 for all its query
+// tiles), longest first within it; the sequences keep their order.
+TEST(PlanTest, CausalPrefillItemsRunSequenceBySequence) {
+  PlanConfig c;
+  c.group = 4;
+  c.num_kv_heads = 10;
+  c.num_qo_heads = 40;
+  c.block_m = 128;
+  c.causal = true;
+  std::vector<int32_t> q(8, 512), kv(8, 1536);
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 8);
+  ASSERT_EQ(plan.items.size(), 8u * 16u);  // 512 x 4 packed rows = 16 tiles per sequence
+  for (size_t i = 0; i < plan.items.size(); ++i) {
+    EXPECT_EQ(plan.items[i].seq, static_cast<int>(i / 16)) << i;
+    if (i % 16 != 0) {
+      EXPECT_LE(plan.items[i].kv_end - plan.items[i].kv_begin,
+                plan.items[i - 1].kv_end - plan.items[i - 1].kv_begin);
+    }
+  }
+  // A longer sequence goes first.
+  kv[5] = 2048;
+  const AttentionPlan ragged = PlanAttention(c, q.data(), kv.data(), 8);
+  EXPECT_EQ(ragged.items.front().seq, 5);
+  ExpectPlanCovers(c, ragged, q, kv);
 }
 
 TEST(PlanTest, WorkspaceCapWidensChunks) {
