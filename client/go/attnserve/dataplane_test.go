@@ -189,7 +189,9 @@ func (s *shmServer) Prefill(ctx context.Context, r *pb.PrefillRequest) (*pb.Atte
 		select {
 		case <-stall:
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			// As a real server answers: DEADLINE_EXCEEDED. A plain ctx.Err() reaches the
+			// client as UNKNOWN, and does so whenever this side's timer fires first.
+			return nil, status.FromContextError(ctx.Err()).Err()
 		}
 	}
 	return s.answer(r.Session, r.Q, r.PageTable, true, r.OutputTo, r.LseTo)
