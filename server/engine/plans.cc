@@ -18,8 +18,8 @@ Plan::~Plan() { pages_->Unpin(table_.kv_indices); }
 
 absl::Status PlanRegistry::CheckName(absl::string_view name) {
   if (IsValidName(name)) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("plan name '", ShownName(name),
-                                                 "' must be 1-64 characters of [A-Za-z0-9_.-]"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("plan name '", ShownName(name), "' must be 1-64 characters of [A-Za-z0-9_.-]"));
 }
 
 absl::StatusOr<std::shared_ptr<Plan>> PlanRegistry::Put(absl::string_view name,
@@ -73,12 +73,6 @@ void PlanRegistry::ReleaseSession(SessionId session, std::vector<std::shared_ptr
   if (s == plans_.end()) return;
   for (auto& [name, plan] : s->second) out->push_back(std::move(plan));
   plans_.erase(s);
-}
-
-int PlanRegistry::plans_of(SessionId session) const {
-  absl::MutexLock lock(&mu_);
-  auto s = plans_.find(session);
-  return s == plans_.end() ? 0 : static_cast<int>(s->second.size());
 }
 
 }  // namespace attn

@@ -14,7 +14,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/types/span.h"
 #include "server/engine/attention_call.h"
 #include "server/engine/page_pool.h"
 #include "server/engine/sessions.h"
@@ -79,8 +78,6 @@ class PlanRegistry {
   absl::StatusOr<std::shared_ptr<Plan>> Remove(SessionId session, absl::string_view name);
   // Removes every plan of `session` (closed or expired), appending them to `out`.
   void ReleaseSession(SessionId session, std::vector<std::shared_ptr<void>>* out);
-  // For tests and diagnostics.
-  int plans_of(SessionId session) const;
 
  private:
   const int max_per_session_;
