@@ -65,6 +65,7 @@
 #include "server/engine/engine.h"
 #include "server/rpc/auth.h"
 #include "server/rpc/service.h"
+#include "server/rpc/test_tensors.h"
 
 namespace attn {
 namespace {
@@ -244,28 +245,16 @@ class Reader {
   size_t at_ = 0;
 };
 
-void FillBf16(v1::Tensor* t, std::initializer_list<int64_t> shape, uint16_t bits) {
-  t->set_dtype(v1::DTYPE_BF16);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    t->add_shape(d);
-    n *= d;
-  }
-  std::string data;
-  for (int64_t i = 0; i < n; ++i) data.append(reinterpret_cast<const char*>(&bits), 2);
-  t->set_data(std::move(data));
-}
-
 // A request over the session's first page (op 6): valid unless the variant says otherwise.
 template <typename Request>
 std::string MakeRequest(uint8_t variant, uint16_t offset, int32_t page) {
   Request r;
   r.set_pool("gqa");
   const bool append = variant & 2;
-  FillBf16(r.mutable_q(), {1, kHeads, kDim}, 0x3f00);  // 0.5
+  FillBf16(r.mutable_q(), {1, kHeads, kDim}, 0.5f);
   if (append) {
-    FillBf16(r.mutable_k_new(), {1, kKvHeads, kDim}, 0x3f80);  // 1
-    FillBf16(r.mutable_v_new(), {1, kKvHeads, kDim}, 0x3fc0);  // 1.5
+    FillBf16(r.mutable_k_new(), {1, kKvHeads, kDim}, 1.f);
+    FillBf16(r.mutable_v_new(), {1, kKvHeads, kDim}, 1.5f);
   }
   if constexpr (std::is_same_v<Request, v1::PrefillRequest>) {
     r.add_qo_indptr(0);

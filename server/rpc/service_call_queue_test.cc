@@ -24,6 +24,7 @@
 #include "server/backends/cpu_backend.h"
 #include "server/backends/shared_memory.h"
 #include "server/rpc/service.h"
+#include "server/rpc/test_tensors.h"
 
 namespace attn {
 namespace {
@@ -96,25 +97,14 @@ class GatedBackend final : public Backend {
   Gate* gate_;
 };
 
-void Fill(v1::Tensor* t, std::vector<int64_t> shape, float value) {
-  t->set_dtype(v1::DTYPE_BF16);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    t->add_shape(d);
-    n *= d;
-  }
-  std::vector<bf16> data(n, FloatToBf16(value));
-  t->set_data(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(bf16));
-}
-
 // Appends token 0 (k = 1, v = 1.5) to `page` and attends over it: every output element is 1.5.
 v1::DecodeRequest DecodeOnto(int32_t page, const std::string& session) {
   v1::DecodeRequest r;
   r.set_pool("gqa");
   r.set_session(session);
-  Fill(r.mutable_q(), {1, kHeads, kDim}, 0.5f);
-  Fill(r.mutable_k_new(), {1, kKvHeads, kDim}, 1.f);
-  Fill(r.mutable_v_new(), {1, kKvHeads, kDim}, 1.5f);
+  FillBf16(r.mutable_q(), {1, kHeads, kDim}, 0.5f);
+  FillBf16(r.mutable_k_new(), {1, kKvHeads, kDim}, 1.f);
+  FillBf16(r.mutable_v_new(), {1, kKvHeads, kDim}, 1.5f);
   r.add_kv_indptr(0);
   r.add_kv_indptr(1);
   r.add_kv_indices(page);

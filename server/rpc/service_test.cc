@@ -16,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/bf16.h"
 #include "server/backends/cpu_backend.h"
+#include "server/rpc/test_tensors.h"
 
 namespace attn {
 namespace {
@@ -29,18 +30,6 @@ bool Has(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
-// A bf16 tensor of `shape` with every element `value`.
-void Fill(v1::Tensor* t, std::vector<int64_t> shape, float value) {
-  t->set_dtype(v1::DTYPE_BF16);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    t->add_shape(d);
-    n *= d;
-  }
-  std::vector<bf16> data(n, FloatToBf16(value));
-  t->set_data(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(bf16));
-}
-
 // One sequence that appends its first token to `page`: q = 0 (every logit 0), k = 1, and v rows of
 // 1 for KV head 0 and 2 for KV head 1, so the output is v, per query head's KV head.
 v1::DecodeRequest DecodeOnto(int32_t page, const std::string& session) {
@@ -48,9 +37,9 @@ v1::DecodeRequest DecodeOnto(int32_t page, const std::string& session) {
   r.set_pool("gqa");
   r.set_session(session);
   r.set_layer(1);
-  Fill(r.mutable_q(), {1, kHeads, kDim}, 0.f);
-  Fill(r.mutable_k_new(), {1, kKvHeads, kDim}, 1.f);
-  Fill(r.mutable_v_new(), {1, kKvHeads, kDim}, 1.f);
+  FillBf16(r.mutable_q(), {1, kHeads, kDim}, 0.f);
+  FillBf16(r.mutable_k_new(), {1, kKvHeads, kDim}, 1.f);
+  FillBf16(r.mutable_v_new(), {1, kKvHeads, kDim}, 1.f);
   std::string& v = *r.mutable_v_new()->mutable_data();
   for (int i = kDim; i < 2 * kDim; ++i) {
     const bf16 two = FloatToBf16(2.f);
@@ -525,7 +514,7 @@ TEST_F(ServiceTest, PlanRefusalsAreTheirStatusCodes) {
   prefill.set_pool("gqa");
   prefill.set_session(session);
   prefill.set_plan("p");
-  Fill(prefill.mutable_q(), {1, kHeads, kDim}, 0.f);
+  FillBf16(prefill.mutable_q(), {1, kHeads, kDim}, 0.f);
   EXPECT_EQ(stub_->Prefill(&ctx, prefill, &resp).error_code(), StatusCode::INVALID_ARGUMENT);
 }
 
