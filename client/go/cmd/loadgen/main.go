@@ -11,6 +11,13 @@
 // to back on layer 0 for --warmup (not measured) plus --duration. Failed calls are counted by
 // code and the run goes on; the default retry policy applies (retries are counted too).
 //
+// --plan has each client check and pin its page table once (CreatePlan; attention.proto,
+// "Plans") after filling its context, under the name p<client>: every call, warm-up included,
+// names the plan instead of carrying or staging the table, which is what a scheduler's
+// per-layer calls of one step cost. The calls append nothing, so the table is the same for the
+// whole run and is planned once, never again (as attn_loadgen --plan does). The plans are
+// released at the end, before the pages are freed.
+//
 // Exit status: 0 when the run completed with at least one successful call, 1 otherwise.
 package main
 
@@ -50,6 +57,7 @@ type config struct {
 	warmup        time.Duration
 	timeout       time.Duration
 	sharedConn    bool
+	plan          bool
 	jsonPath      string
 	transport     attnserve.Transport
 }
@@ -70,6 +78,10 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.warmup, "warmup", time.Second, "unmeasured calls first")
 	fs.DurationVar(&c.timeout, "timeout", 30*time.Second, "deadline of each call")
 	fs.BoolVar(&c.sharedConn, "shared-conn", false, "all clients share one connection")
+	fs.BoolVar(&c.plan, "plan", false, "each client puts its page table into a plan (CreatePlan) once, "+
+		"after the fill; every call, warm-up included, names it instead of carrying the table, and "+
+		"it is released at the end. The calls append nothing, so the table never changes and is "+
+		"planned once, as attn_loadgen --plan")
 	fs.StringVar(&c.jsonPath, "json", "", "also write the results here as JSON")
 	transport := fs.String("transport", "auto", "how tensors reach the server: auto (shared memory on this node when the server allows it), bytes or shm")
 	if err := fs.Parse(args); err != nil {
@@ -100,6 +112,7 @@ type Result struct {
 	Batch           int            `json:"batch"`
 	Context         int            `json:"context"`
 	PrefillTokens   int            `json:"prefill_tokens,omitempty"`
+	Plan            bool           `json:"plan"` // --plan: the calls named a plan, not a table
 	Seconds         float64        `json:"seconds"`
 	Calls           int            `json:"calls"`
 	Errors          map[string]int `json:"errors"`
@@ -154,22 +167,43 @@ func run(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// worker is one client: its sequences, its pre-built request, and what it measured.
+// checkPlans refuses --plan before anything is allocated when the server has no plans
+// (maxPlans, DataPlane.MaxPlansPerSession, is 0) or, with --shared-conn, when the clients' plans
+// all live in the connection's one session and are more than it may hold.
+func checkPlans(cfg config, maxPlans int) error {
+	switch {
+	case !cfg.plan:
+		return nil
+	case maxPlans == 0:
+		return errors.New("--plan: the server has no plans (GetServerInfo.data_plane.max_plans_per_session is 0)")
+	case cfg.sharedConn && cfg.clients > maxPlans:
+		return fmt.Errorf("--plan --shared-conn: %d clients' plans in one session, the server allows %d",
+			cfg.clients, maxPlans)
+	}
+	return nil
+}
+
+// worker is one client: its sequences, its pre-built request, its plan (--plan) and what it
+// measured.
 type worker struct {
 	client  *attnserve.Client
 	table   *attnserve.PageTable[int]
 	req     *attnserve.AttentionRequest
+	plan    *attnserve.Plan // until released
 	latency []time.Duration
 	timings []attnserve.Timings
 	errors  map[string]int
 }
 
-func loadgen(ctx context.Context, cfg config, out io.Writer) (*Result, error) {
+// loadgen runs the load; extra options go to every client after the flags' (the tests watch
+// the calls through them).
+func loadgen(ctx context.Context, cfg config, out io.Writer, extra ...attnserve.Option) (*Result, error) {
 	var retries int64
 	policy := attnserve.DefaultRetryPolicy()
 	policy.OnRetry = func(attnserve.RetryEvent) { atomic.AddInt64(&retries, 1) }
 	opts := []attnserve.Option{attnserve.WithTimeout(cfg.timeout), attnserve.WithRetryPolicy(policy),
 		attnserve.WithTransport(cfg.transport)}
+	opts = append(opts, extra...)
 	first, err := attnserve.Dial(cfg.address, opts...)
 	if err != nil {
 		return nil, err
@@ -191,12 +225,19 @@ func loadgen(ctx context.Context, cfg config, out io.Writer) (*Result, error) {
 		return nil, fmt.Errorf("%d clients x %d sequences x %d tokens need %d pages, pool %s has %d free",
 			cfg.clients, cfg.batch, cfg.context, need, pool.Name, pool.FreePages)
 	}
+	if err := checkPlans(cfg, info.DataPlane.MaxPlansPerSession); err != nil {
+		return nil, err
+	}
 
 	workers := make([]*worker, cfg.clients)
 	defer func() {
 		for _, w := range workers {
 			if w == nil {
 				continue
+			}
+			// A plan pins its pages: FreePages refuses them until it is released.
+			if err := w.releasePlan(context.Background()); err != nil {
+				fmt.Fprintln(out, "releasing the plan:", err)
 			}
 			if err := w.table.FreeAll(context.Background()); err != nil {
 				fmt.Fprintln(out, "freeing pages:", err)
@@ -219,6 +260,11 @@ func loadgen(ctx context.Context, cfg config, out io.Writer) (*Result, error) {
 		if err := workers[i].setup(ctx, cfg, pool, rand.New(rand.NewSource(int64(i)))); err != nil {
 			return nil, err
 		}
+		if cfg.plan {
+			if err := workers[i].createPlan(ctx, cfg, pool, fmt.Sprintf("p%d", i), out); err != nil {
+				return nil, err
+			}
+		}
 	}
 	fmt.Fprintf(out, "filled %d sequences x %d tokens in %.1f s\n", cfg.clients*cfg.batch, cfg.context,
 		time.Since(fillStart).Seconds())
@@ -234,9 +280,14 @@ func loadgen(ctx context.Context, cfg config, out io.Writer) (*Result, error) {
 		}(w)
 	}
 	wg.Wait()
+	for _, w := range workers {
+		if err := w.releasePlan(ctx); err != nil {
+			return nil, fmt.Errorf("releasing the plan: %w", err)
+		}
+	}
 
 	res := &Result{Op: cfg.op, Transport: string(cfg.transport), Clients: cfg.clients, Batch: cfg.batch, Context: cfg.context,
-		Seconds: cfg.duration.Seconds(), Errors: map[string]int{}, Retries: atomic.LoadInt64(&retries)}
+		Plan: cfg.plan, Seconds: cfg.duration.Seconds(), Errors: map[string]int{}, Retries: atomic.LoadInt64(&retries)}
 	if cfg.op == "prefill" {
 		res.PrefillTokens = cfg.prefillTokens
 	}
@@ -309,9 +360,39 @@ func (w *worker) setup(ctx context.Context, cfg config, pool attnserve.PoolInfo,
 		return err
 	}
 	w.req = newRequest(pool, table, rows, rng, false)
+	if cfg.plan {
+		return nil // createPlan replaces the table
+	}
 	// The table stays the same for the whole run: in shared memory it is written once.
 	w.req.PageTable, err = w.client.StagePageTable(ctx, table)
 	return err
+}
+
+// createPlan puts the request's page table into a plan of the client's session called name
+// (--plan); the request then names it and carries no table. The calls append nothing, so the
+// table holds for the whole run.
+func (w *worker) createPlan(ctx context.Context, cfg config, pool attnserve.PoolInfo, name string,
+	out io.Writer) error {
+	start := time.Now()
+	plan, err := w.client.CreatePlan(ctx, &attnserve.PlanRequest{Pool: pool.Name, Name: name,
+		Prefill: cfg.op == "prefill", Table: w.req.Table})
+	if err != nil {
+		return fmt.Errorf("creating plan %s: %w", name, err)
+	}
+	fmt.Fprintf(out, "  plan %s: %d sequences, %d pages, created in %.0f us\n", plan.Name, plan.Batch,
+		plan.NumPages, stats.Us(time.Since(start)))
+	w.plan, w.req.Plan, w.req.Table = plan, plan, attnserve.BatchCSR{}
+	return nil
+}
+
+// releasePlan releases the worker's plan, if it still has one.
+func (w *worker) releasePlan(ctx context.Context) error {
+	if w.plan == nil {
+		return nil
+	}
+	name := w.plan.Name
+	w.plan = nil
+	return w.client.ReleasePlan(ctx, name)
 }
 
 // newRequest is a layer-0 call with random q over the table (rows query rows), with random new
@@ -376,6 +457,9 @@ func report(out io.Writer, cfg config, r *Result) {
 	shape := fmt.Sprintf("batch %d, context %d, transport %s", cfg.batch, cfg.context, cfg.transport)
 	if cfg.op == "prefill" {
 		shape += fmt.Sprintf(", %d prefill tokens", cfg.prefillTokens)
+	}
+	if cfg.plan {
+		shape += ", plan"
 	}
 	fmt.Fprintf(out, "%d clients x %s %s: %d calls in %.1f s\n", cfg.clients, cfg.op, shape, r.Calls, r.Seconds)
 	fmt.Fprintf(out, "  throughput  %.0f calls/s, %.0f tokens/s; calls merged per launch %.2f\n",

@@ -8,6 +8,13 @@
 // frees the pages, and compares every output and lse with the float64 reference (package
 // reference). Its pages belong to an explicit session, closed at the end.
 //
+// With --plan every step (a prefill round or a decode step) puts its page table, after the
+// step's appends, into a plan (CreatePlan; attention.proto, "Plans") named "step"
+// (attnserve.DefaultPlanName) once, and every layer's call of the step names it instead of
+// carrying the table. Each step's plan replaces the previous step's under that name, so the
+// server never holds more than one; the last is released (ReleasePlan) before the pages are
+// freed, since a plan's pins keep FreePages from them.
+//
 //	scheduler --address=127.0.0.1:50051 --pool=gqa --sequences=3 --prompt-len=200 --chunk=64
 //
 // Exit status: 0 when every element is within tolerance and no page leaked, 1 otherwise, 2 when
@@ -46,6 +53,7 @@ type config struct {
 	chunk       int
 	decodeSteps int
 	seed        int64
+	plan        bool
 	timeout     time.Duration
 	transport   attnserve.Transport
 }
@@ -61,6 +69,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.chunk, "chunk", 64, "prefill chunk (tokens)")
 	fs.IntVar(&c.decodeSteps, "decode-steps", 8, "decode steps")
 	fs.Int64Var(&c.seed, "seed", 0, "random seed")
+	fs.BoolVar(&c.plan, "plan", false, "each step's page table goes into a plan (CreatePlan) named \"step\" "+
+		"that every layer's call of the step names instead of the table; the next step's plan replaces "+
+		"it, and the last is released before the pages are freed")
 	fs.DurationVar(&c.timeout, "timeout", 60*time.Second, "deadline of each call")
 	transport := fs.String("transport", "auto", "how tensors reach the server: auto (shared memory on this node when the server allows it), bytes or shm")
 	if err := fs.Parse(args); err != nil {
@@ -111,11 +122,14 @@ type scheduler struct {
 	table  *attnserve.PageTable[int] // sequence id -> pages
 	mirror *reference.Mirror         // our copy of every K/V we appended
 	rng    *rand.Rand
+	plans  bool            // --plan
+	plan   *attnserve.Plan // the current step's (--plan), until released
 
 	latency   map[string][]time.Duration // client round trip per op
 	server    map[string][]attnserve.Timings
 	checks    map[string][]reference.CloseResult // "output", "lse"
 	rounds    int                                // chunked prefill rounds
+	planned   int                                // plans created (--plan)
 	peakPages int
 }
 
@@ -143,8 +157,12 @@ func schedule(ctx context.Context, cfg config, client *attnserve.Client, out io.
 	fmt.Fprintf(out, "server   %s: attnserve %s, backend %s, device %s\n", cfg.address, info.Version,
 		info.Backend, info.Device)
 	fmt.Fprintf(out, "pool     %s\n", describePool(pool))
-	fmt.Fprintf(out, "workload %d sequences, prompts %v (%d tokens), chunk %d, %d decode steps\n",
-		cfg.sequences, prompts, total, cfg.chunk, cfg.decodeSteps)
+	how := ""
+	if cfg.plan {
+		how = ", a plan per step"
+	}
+	fmt.Fprintf(out, "workload %d sequences, prompts %v (%d tokens), chunk %d, %d decode steps%s\n",
+		cfg.sequences, prompts, total, cfg.chunk, cfg.decodeSteps, how)
 
 	// An explicit session owns the pages: they survive a reconnect, and closing the session
 	// frees whatever is left even if the run stops half-way. (Servers without sessions answer
@@ -163,7 +181,7 @@ func schedule(ctx context.Context, cfg config, client *attnserve.Client, out io.
 	}
 
 	s := &scheduler{
-		client: client, pool: pool, mirror: mirror, rng: rng,
+		client: client, pool: pool, mirror: mirror, rng: rng, plans: cfg.plan,
 		table:   attnserve.NewPageTable[int](client, pool.Name, pool.PageSize),
 		latency: map[string][]time.Duration{}, server: map[string][]attnserve.Timings{},
 		checks: map[string][]reference.CloseResult{},
@@ -176,7 +194,14 @@ func schedule(ctx context.Context, cfg config, client *attnserve.Client, out io.
 	if runErr == nil {
 		runErr = s.decode(ctx, ids, cfg.decodeSteps)
 	}
-	// Free whatever was allocated, also after a failed call.
+	// Release the last step's plan, whose pins keep FreePages from its pages, then free whatever
+	// was allocated, also after a failed call.
+	if s.plan != nil {
+		if err := s.client.ReleasePlan(ctx, s.plan.Name); err != nil && runErr == nil {
+			runErr = err
+		}
+		s.plan = nil
+	}
 	if err := s.table.FreeAll(ctx); err != nil && runErr == nil {
 		runErr = err
 	}
@@ -194,6 +219,10 @@ func schedule(ctx context.Context, cfg config, client *attnserve.Client, out io.
 	fmt.Fprintf(out, "calls    prefill %d (%d chunked rounds x %d layers), decode %d (%d steps x %d layers)\n",
 		len(s.server["prefill"]), s.rounds, pool.NumLayers, len(s.server["decode"]), cfg.decodeSteps,
 		pool.NumLayers)
+	if cfg.plan {
+		fmt.Fprintf(out, "plans    %d created (one per step, each replacing the last), the last released\n",
+			s.planned)
+	}
 	fmt.Fprintln(out, "check    tolerance: fails only if |x-ref| > 1e-2 and |x-ref|/|ref| > 1e-2")
 	passed := true
 	for _, name := range []string{"output", "lse"} {
@@ -298,19 +327,36 @@ func (s *scheduler) allLayers(ctx context.Context, op string, table attnserve.Ba
 		return err
 	}
 	defer staged.Release()
+	var plan *attnserve.Plan
+	if s.plans {
+		// The step's plan, read from the staged table (the server copies it), replaces the last
+		// step's of the same name.
+		plan, err = s.client.CreatePlan(ctx, &attnserve.PlanRequest{Pool: s.pool.Name,
+			Name: attnserve.DefaultPlanName, Prefill: op == "prefill", PageTable: staged})
+		if err != nil {
+			return err
+		}
+		s.plan = plan
+		s.planned++
+	}
 	for layer := 0; layer < s.pool.NumLayers; layer++ {
-		if err := s.step(ctx, op, layer, staged); err != nil {
+		if err := s.step(ctx, op, layer, staged, plan); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// step sends one call with random q and new K/V, mirrors the K/V and checks the result.
-func (s *scheduler) step(ctx context.Context, op string, layer int, staged *attnserve.StagedPageTable) error {
+// step sends one call with random q and new K/V, mirrors the K/V and checks the result. The call
+// names plan when there is one, else carries the staged table.
+func (s *scheduler) step(ctx context.Context, op string, layer int, staged *attnserve.StagedPageTable,
+	plan *attnserve.Plan) error {
 	table := staged.CSR
 	n, h := table.TotalQ(), s.pool.NumQOHeads
 	req := &attnserve.AttentionRequest{Pool: s.pool.Name, Layer: layer, PageTable: staged, ReturnLSE: true}
+	if plan != nil {
+		req.PageTable, req.Plan = nil, plan
+	}
 	newKV := map[string][]float32{}
 	var q, qPE []float32
 	if s.pool.Kind == attnserve.PoolKindMLA {
