@@ -30,12 +30,13 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
 }
 
 bool IsSm90Prefill(int variant) {
-  return variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanSerialPersistent;
+  return (variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanSerialPersistent) ||
+         variant == kGqaPrefillSm90LeanOverlap3 || variant == kGqaPrefillSm90LeanOverlapSolo3;
 }
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the
 // fastest that passed kernel_tests on the H200 (bench/RESULTS.md).
-constexpr int kDefaultSm90Prefill = kGqaPrefillSm90LeanSerial;
+constexpr int kDefaultSm90Prefill = kGqaPrefillSm90LeanOverlapSolo3;
 
 // Resolves a GQA prefill variant for the current device: the default becomes the Hopper kernel
 // where it runs; a Hopper variant where it does not run is an error.

@@ -32,7 +32,7 @@ struct DevicePlan {
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and
 // up the Hopper kernels (sm_90a, compute capability 9.0, head_dim 64 / 128 / 256), of which the
-// default (-1) selects kGqaPrefillSm90LeanSerial where they run (kernels/cuda/sm90/).
+// default (-1) selects kGqaPrefillSm90LeanOverlapSolo3 where they run (kernels/cuda/sm90/).
 inline constexpr int kGqaPrefillSm90Serial = 10;   // each GEMM waited for before the softmax
 inline constexpr int kGqaPrefillSm90Overlap = 11;  // softmax under P V, warpgroups take turns
 // The two schedules above with the lean producer (row offsets gathered once per tile, plain
@@ -43,6 +43,13 @@ inline constexpr int kGqaPrefillSm90LeanOverlap = 13;
 // and first tiles copied while the previous item finishes (bench/RESULTS.md: 4% faster on short
 // sequences, 1-3% slower on long causal ones, so not the default).
 inline constexpr int kGqaPrefillSm90LeanSerialPersistent = 14;
+// The overlap schedule (softmax under the P V GEMM) with a third K/V stage (head_dim 64 and 128;
+// 256 keeps two), with and without the warpgroups taking turns at the GEMMs. Without turns it is
+// the default: 2-3% faster than 12 on three of kernel_bench's four prefill shapes on the H200 and
+// even on the fourth (bench/RESULTS.md, which also has the schedules that lost: 12 with turns, 13
+// without, 12 with three stages).
+inline constexpr int kGqaPrefillSm90LeanOverlap3 = 18;
+inline constexpr int kGqaPrefillSm90LeanOverlapSolo3 = 19;
 // A prefill on the decode kernel (16-row CTAs, any compute capability). The planner picks it by
 // itself (LaunchOptions::short_prefill) for launches whose sequences each have at most 16 packed
 // rows: one or a few new tokens per sequence, where a 128-row prefill CTA is mostly padding.

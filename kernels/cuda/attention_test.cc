@@ -126,6 +126,8 @@ const std::vector<int> kAllPrefillVariants = {0,
                                               cuda::kGqaPrefillSm90LeanSerial,
                                               cuda::kGqaPrefillSm90LeanOverlap,
                                               cuda::kGqaPrefillSm90LeanSerialPersistent,
+                                              cuda::kGqaPrefillSm90LeanOverlap3,
+                                              cuda::kGqaPrefillSm90LeanOverlapSolo3,
                                               cuda::kGqaPrefillOnDecodeKernel};
 
 // Those of `candidates` the entry points accept on this device (the portable kernels

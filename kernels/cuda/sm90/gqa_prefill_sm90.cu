@@ -5,7 +5,7 @@
 // = 128 packed rows (query token x query head of the KV head) against keys [kv_begin, kv_end) of
 // one sequence, in tiles of kBlockN keys. Three warpgroups:
 //   - the producer (warpgroup 0, few registers) copies the Q tile once and then each K and V tile
-//     from its pages with cp.async into a two-stage ring of swizzled shared-memory tiles; the
+//     from its pages with cp.async into a ring (two or three stages) of swizzled tiles; the
 //     copies of a stage complete on the stage's "full" mbarrier, and the producer refills a stage
 //     once both consumers have arrived on its "empty" mbarrier. cp.async rather than TMA because
 //     a tile of 128 keys spans 128 pages at page size 1 and does not align with odd page sizes;
@@ -17,8 +17,9 @@
 // Schedules (Traits below; the variants are named in kernels/cuda/api.h): "serial" waits for
 // each GEMM; "overlap" issues tile t's S and tile t-1's P V back to back, runs tile t's softmax
 // while the P V GEMM is in flight and has the two consumer warpgroups take turns issuing GEMMs
-// (FA3's intra-warpgroup overlap and pingpong). On the H200 both measured within 4% of each
-// other, bound upstream by the producer's per-copy instructions (bench/RESULTS.md).
+// (FA3's intra-warpgroup overlap and pingpong). Once the producer's copies were lean, the
+// overlap schedule with a third K/V stage and without the turns became the fastest, by 2-3%
+// (bench/RESULTS.md): with the turns it loses on long unmasked rows.
 //
 // Persistent variants launch one wave of CTAs that each take work items in turn (CTA c: items
 // c, c + grid, ...; the planner's longest-first order): the producer copies the next item's Q and
@@ -49,7 +50,6 @@ constexpr int kThreads = 384;
 // Registers per lane at launch: the most __launch_bounds__(kThreads, 1) leaves (ptxas allocates
 // in steps of 8), which is the pool setmaxnreg redistributes.
 constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-constexpr int kStages = 2;  // K/V ring depth (3 measured no faster: bench/RESULTS.md)
 // Named barriers of the consumers' GEMM turns (pingpong): warpgroup w waits on kTurnBarrier + w.
 constexpr int kTurnBarrier = 1;
 
@@ -62,9 +62,11 @@ constexpr int kTurnBarrier = 1;
 //     (about 8 instructions per 16-byte copy instead of 22, the suspected bound of the other
 //     variants), with more registers for it: 1.3-1.5x faster on the H200, the suspicion held.
 //   kPersistent: one wave of CTAs loops over the work items (else one CTA per item).
+//   kStages: the K/V ring's depth.
 template <int kHeadDim_, int kBlockN_, bool kOverlap_, bool kPingPong_, bool kLeanCopies_,
-          bool kPersistent_>
+          bool kPersistent_, int kStages_>
 struct Traits {
+  static constexpr int kStages = kStages_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kOverlap = kOverlap_;
@@ -99,17 +101,17 @@ struct Smem {
   __device__ uint32_t Q() const { return base; }
   __device__ uint32_t K(int stage) const { return base + T::kQBytes + stage * T::kTileBytes; }
   __device__ uint32_t V(int stage) const {
-    return base + T::kQBytes + (kStages + stage) * T::kTileBytes;
+    return base + T::kQBytes + (T::kStages + stage) * T::kTileBytes;
   }
   __device__ uint32_t Barrier(int i) const {
-    return base + T::kQBytes + 2 * kStages * T::kTileBytes + 8 * i;
+    return base + T::kQBytes + 2 * T::kStages * T::kTileBytes + 8 * i;
   }
   __device__ uint32_t QFull() const { return Barrier(0); }
   __device__ uint32_t KFull(int stage) const { return Barrier(1 + stage); }
-  __device__ uint32_t KEmpty(int stage) const { return Barrier(1 + kStages + stage); }
-  __device__ uint32_t VFull(int stage) const { return Barrier(1 + 2 * kStages + stage); }
-  __device__ uint32_t VEmpty(int stage) const { return Barrier(1 + 3 * kStages + stage); }
-  __device__ uint32_t QEmpty() const { return Barrier(1 + 4 * kStages); }
+  __device__ uint32_t KEmpty(int stage) const { return Barrier(1 + T::kStages + stage); }
+  __device__ uint32_t VFull(int stage) const { return Barrier(1 + 2 * T::kStages + stage); }
+  __device__ uint32_t VEmpty(int stage) const { return Barrier(1 + 3 * T::kStages + stage); }
+  __device__ uint32_t QEmpty() const { return Barrier(1 + 4 * T::kStages); }
 };
 
 // What both roles know of the CTA's work.
@@ -212,8 +214,8 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
   int64_t offset = lookup(0);
   for (int t = 0; t < w.num_tiles; ++t) {
     const int g = w.tiles_before + t;  // the tile's pass through the ring
-    const int stage = g % kStages;
-    const uint32_t parity = ((g / kStages) & 1) ^ 1;  // the consumers' release of this stage
+    const int stage = g % T::kStages;
+    const uint32_t parity = ((g / T::kStages) & 1) ^ 1;  // the consumers' release of this stage
     const int64_t next = lookup(t + 1);  // the page-table read flies while this tile is issued
     BarrierWait(s.KEmpty(stage), parity);
     copy_tile(s.K(stage), k_base, offset);
@@ -271,9 +273,9 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
     if (lane == 0) BarrierArrive(bar);  // one arrival per consumer warp (8 in all)
   };
   // Item tile t's stage and phase in the K/V ring, which the CTA's items go through in turn.
-  auto stage_of = [&](int t) { return (w.tiles_before + t) % kStages; };
+  auto stage_of = [&](int t) { return (w.tiles_before + t) % T::kStages; };
   auto wait_full = [&](uint32_t bar, int t) {
-    BarrierWait(bar, ((w.tiles_before + t) / kStages) & 1);
+    BarrierWait(bar, ((w.tiles_before + t) / T::kStages) & 1);
     FenceProxyAsync();  // the cp.async data, seen through the barrier, before wgmma reads it
   };
   // After the last S GEMM of the item has completed, the producer may copy the next item's Q.
@@ -416,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
     BarrierInit(s.QEmpty(), 8);   // one arrival per consumer warp
-    for (int i = 0; i < kStages; ++i) {
+    for (int i = 0; i < T::kStages; ++i) {
       BarrierInit(s.KFull(i), 128);
       BarrierInit(s.VFull(i), 128);
       BarrierInit(s.KEmpty(i), 8);  // one arrival per consumer warp
@@ -479,10 +481,12 @@ struct Config {
 };
 
 // Key tiles: 128 keys for head_dim 64 and 128 (Q + two stages of K and V: 80 / 160 KiB); 64 for
-// head_dim 256 (192 KiB), whose O takes 128 registers per lane.
-template <int kHeadDim, bool kOverlap, bool kPingPong, bool kLeanCopies, bool kPersistent = false>
-using TraitsFor =
-    Traits<kHeadDim, kHeadDim == 256 ? 64 : 128, kOverlap, kPingPong, kLeanCopies, kPersistent>;
+// head_dim 256 (192 KiB), whose O takes 128 registers per lane. A third stage fits head_dim 64
+// and 128 only (224 KiB at 128); head_dim 256 keeps two.
+template <int kHeadDim, bool kOverlap, bool kPingPong, bool kLeanCopies, bool kPersistent = false,
+          int kStages = 2>
+using TraitsFor = Traits<kHeadDim, kHeadDim == 256 ? 64 : 128, kOverlap, kPingPong, kLeanCopies,
+                         kPersistent, kHeadDim == 256 ? 2 : kStages>;
 
 template <int kHeadDim, typename Fn>
 cudaError_t WithVariant(int variant, Fn&& fn) {
@@ -497,6 +501,10 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
       return fn(Config<TraitsFor<kHeadDim, true, true, true>>());
     case kGqaPrefillSm90LeanSerialPersistent:  // (the overlap schedule spills when persistent)
       return fn(Config<TraitsFor<kHeadDim, false, false, true, true>>());
+    case kGqaPrefillSm90LeanOverlap3:
+      return fn(Config<TraitsFor<kHeadDim, true, true, true, false, 3>>());
+    case kGqaPrefillSm90LeanOverlapSolo3:
+      return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3>>());
     default:
       return cudaErrorInvalidValue;
   }
