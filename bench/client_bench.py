@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 
-from attnserve import BatchCsr, Client  # noqa: E402
+from attnserve import BatchCsr, Client, call_queue  # noqa: E402
 from attnserve.v1 import attention_pb2 as pb  # noqa: E402
 
 
@@ -39,8 +39,15 @@ def main() -> int:
     p.add_argument("--warmup_seconds", type=float, default=1.0)
     p.add_argument("--prepared", action="store_true", help="Client.prepare(): one staging")
     p.add_argument("--plan", action="store_true", help="Client.plan(): the table in a plan")
+    p.add_argument(
+        "--no_predict",
+        action="store_true",
+        help="call queue: poll, then sleep until woken, without sleeping through the expected time",
+    )
     p.add_argument("--json", default="")
     args = p.parse_args()
+    if args.no_predict:
+        call_queue.PREDICT = False
 
     with Client(args.address, transport=args.transport, timeout=60) as client:
         pool = client.pool_info()
@@ -89,6 +96,7 @@ def main() -> int:
         "transport": args.transport,
         "prepared": args.prepared,
         "plan": args.plan,
+        "predict": not args.no_predict,
         "kinds": str(kinds),
         "batch": args.batch,
         "context": args.context,

@@ -81,6 +81,10 @@ ABSL_FLAG(bool, call_queue, false,
 ABSL_FLAG(int, call_queue_spin_us, -1,
           "--call_queue: how long a call polls its slot before sleeping on the slot's futex "
           "(default: 200 on a machine of 8 or more cores, else 0)");
+ABSL_FLAG(bool, call_queue_predict, true,
+          "--call_queue: a call longer than the spin window sleeps through most of the time its "
+          "shape's calls took, then polls (CallQueueClient::Options::predict); false: poll, then "
+          "sleep until woken");
 ABSL_FLAG(std::vector<std::string>, channel_args, {},
           "More integer gRPC channel arguments, NAME=VALUE,... (they override the HTTP/2 and TCP "
           "sizes set for MB messages, e.g. grpc.http2.max_frame_size=16384)");
@@ -482,6 +486,7 @@ std::unique_ptr<client::CallQueueClient> RegisterQueue(v1::AttentionService::Stu
   const int spin_us = absl::GetFlag(FLAGS_call_queue_spin_us);
   options.spin = std::chrono::microseconds(
       spin_us >= 0 ? spin_us : (std::thread::hardware_concurrency() >= 8 ? 200 : 0));
+  options.predict = absl::GetFlag(FLAGS_call_queue_predict);
   options.request_bytes = static_cast<int>((request_bytes + 4096 + 63) / 64 * 64);
   std::string error;
   auto queue = client::CallQueueClient::Create(options, &error);

@@ -118,12 +118,20 @@ if [ "$backend" = cuda ]; then
     --plan
 fi
 load transport_bytes_plan_decode_b64 --clients=1 --batch=64 --transport=bytes --plan
+# The waiting caller without the expected call time (CallQueueClient::Options::predict): it polls
+# for the spin window, then sleeps until the server wakes it.
+load transport_queue_shm_plan_decode_b64_nopredict --clients=1 --batch=64 --transport=shm \
+  --call_queue --plan --call_queue_predict=false
+load transport_queue_shm_plan_decode_b256_nopredict --clients=1 --batch=256 --transport=shm \
+  --call_queue --plan --call_queue_predict=false
 # The Python client on the same socket: its shm calls take a call queue by themselves.
 python_load python_queue_shm_decode_b64 --batch=64 --transport=shm
 python_load python_queue_shm_floor_b1 --batch=1 --context=16 --transport=shm
 python_load python_queue_prepared_shm_decode_b64 --batch=64 --transport=shm --prepared
 python_load python_queue_prepared_shm_floor_b1 --batch=1 --context=16 --transport=shm --prepared
 python_load python_queue_prepared_plan_shm_decode_b64 --batch=64 --transport=shm --prepared --plan
+python_load python_queue_prepared_plan_shm_decode_b64_nopredict --batch=64 --transport=shm \
+  --prepared --plan --no_predict
 stop_server
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then

@@ -28,6 +28,41 @@ void Pause() {
 
 }  // namespace
 
+std::chrono::nanoseconds CallTimes::Expected(uint32_t method, size_t request_bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Shape& s : shapes_) {
+    if (s.average_ns > 0 && s.method == method && s.request_bytes == request_bytes) {
+      return std::chrono::nanoseconds(s.average_ns);
+    }
+  }
+  return std::chrono::nanoseconds(0);
+}
+
+void CallTimes::Record(uint32_t method, size_t request_bytes, std::chrono::nanoseconds took) {
+  const int64_t ns = std::max<int64_t>(1, took.count());
+  std::lock_guard<std::mutex> lock(mu_);
+  ++uses_;
+  Shape* oldest = &shapes_[0];
+  for (Shape& s : shapes_) {
+    if (s.average_ns > 0 && s.method == method && s.request_bytes == request_bytes) {
+      // An average over about the last 8 calls: it follows a change of load within a few calls,
+      // and one slow call moves it by an eighth.
+      s.average_ns = std::max<int64_t>(1, s.average_ns + (ns - s.average_ns) / 8);
+      s.last_use = uses_;
+      return;
+    }
+    if (s.last_use < oldest->last_use) oldest = &s;
+  }
+  *oldest = Shape{method, request_bytes, ns, uses_};
+}
+
+std::chrono::nanoseconds CallTimes::SleepBeforePolling(std::chrono::nanoseconds expected,
+                                                       std::chrono::nanoseconds spin) {
+  if (spin.count() <= 0) return std::chrono::nanoseconds(0);  // a caller that never polls
+  const std::chrono::nanoseconds margin = std::max(spin, expected / 4);
+  return expected > margin ? expected - margin : std::chrono::nanoseconds(0);
+}
+
 std::unique_ptr<CallQueueClient> CallQueueClient::Create(const Options& options,
                                                          std::string* error) {
   static std::atomic<int> counter{0};
@@ -136,42 +171,11 @@ CallQueueClient::Answer CallQueueClient::Call(uint32_t method, std::string_view 
   if (cq::Word(base_, cq::kServerSleeping).load(std::memory_order_seq_cst) != 0) {
     cq::FutexWake(base_ + cq::kDoorbell, 1);
   }
-  // Wait: poll for the spin window, then sleep on the slot's state.
-  const Clock::time_point spin_end = Clock::now() + options_.spin;
-  uint32_t v = state.load(std::memory_order_acquire);
-  while (v != cq::kDone && Clock::now() < spin_end) {
-    Pause();
-    v = state.load(std::memory_order_acquire);
-  }
-  auto waiting = cq::Word(slot, cq::kClientWaiting);
-  while (v != cq::kDone) {
-    waiting.store(1, std::memory_order_seq_cst);
-    v = state.load(std::memory_order_seq_cst);
-    if (v == cq::kDone) break;
-    const Clock::time_point now = Clock::now();
-    // The server answers every slot it took, and those still waiting when it closes; a slot
-    // published after its last scan is taken back here.
-    if (closed() && v == cq::kSubmitted) {
-      uint32_t expected = cq::kSubmitted;
-      if (state.compare_exchange_strong(expected, cq::kFree, std::memory_order_seq_cst)) {
-        return {kUnavailable, "the server closed the call queue", 0};
-      }
-      continue;
-    }
-    if (now >= give_up) {
-      cq::Word(slot, cq::kCancel).store(1, std::memory_order_relaxed);
-      uint32_t expected = cq::kSubmitted;
-      if (!state.compare_exchange_strong(expected, cq::kFree, std::memory_order_seq_cst)) {
-        abandoned_[i].store(true, std::memory_order_release);  // taken: the answer comes later
-      }
-      return {kDeadlineExceeded, "no answer before the timeout", 0};
-    }
-    const auto left = std::min<Clock::duration>(give_up - now, std::chrono::milliseconds(100));
-    cq::FutexWait(slot + cq::kState, v,
-                  std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
-    v = state.load(std::memory_order_acquire);
-  }
-  waiting.store(0, std::memory_order_relaxed);
+  const Clock::time_point published = Clock::now();
+  const std::chrono::nanoseconds expected =
+      options_.predict ? times_.Expected(method, request.size()) : std::chrono::nanoseconds(0);
+  Answer failure;
+  if (!Await(i, expected, give_up, &failure)) return failure;
   Answer answer;
   answer.code = static_cast<int>(cq::Word(slot, cq::kStatus).load(std::memory_order_relaxed));
   const uint32_t len =
@@ -181,7 +185,71 @@ CallQueueClient::Answer CallQueueClient::Call(uint32_t method, std::string_view 
   const char* area = slot + cq::kSlotHeaderBytes + options_.request_bytes;
   answer.bytes.assign(area, len);
   state.store(cq::kFree, std::memory_order_release);
+  if (answer.code == 0) times_.Record(method, request.size(), Clock::now() - published);
   return answer;
+}
+
+bool CallQueueClient::Await(int i, std::chrono::nanoseconds expected, Clock::time_point give_up,
+                            Answer* failure) {
+  char* slot = Slot(i);
+  auto state = cq::Word(slot, cq::kState);
+  auto waiting = cq::Word(slot, cq::kClientWaiting);
+  const Clock::time_point start = Clock::now();
+  uint32_t v = state.load(std::memory_order_acquire);
+  // A long call of a known shape: sleep through most of it (woken if the answer lands first),
+  // then poll for the rest of the expected time and the spin window.
+  std::chrono::nanoseconds poll = options_.spin;
+  if (const auto nap = CallTimes::SleepBeforePolling(expected, options_.spin); nap.count() > 0) {
+    const Clock::time_point wake = std::min(give_up, start + nap);
+    waiting.store(1, std::memory_order_seq_cst);
+    v = state.load(std::memory_order_seq_cst);
+    for (Clock::time_point now = Clock::now(); v != cq::kDone && now < wake && !closed();
+         now = Clock::now()) {
+      cq::FutexWait(slot + cq::kState, v,
+                    std::chrono::duration_cast<std::chrono::nanoseconds>(wake - now).count());
+      v = state.load(std::memory_order_acquire);
+    }
+    waiting.store(0, std::memory_order_relaxed);
+    poll += expected - nap;
+  }
+  // Poll for the spin window, then sleep on the slot's state.
+  const Clock::time_point spin_end =
+      Clock::now() + std::min<Clock::duration>(poll, give_up - Clock::now());
+  while (v != cq::kDone && Clock::now() < spin_end) {
+    Pause();
+    v = state.load(std::memory_order_acquire);
+  }
+  while (v != cq::kDone) {
+    waiting.store(1, std::memory_order_seq_cst);
+    v = state.load(std::memory_order_seq_cst);
+    if (v == cq::kDone) break;
+    const Clock::time_point now = Clock::now();
+    // The server answers every slot it took, and those still waiting when it closes; a slot
+    // published after its last scan is taken back here.
+    if (closed() && v == cq::kSubmitted) {
+      uint32_t expected_state = cq::kSubmitted;
+      if (state.compare_exchange_strong(expected_state, cq::kFree, std::memory_order_seq_cst)) {
+        *failure = {kUnavailable, "the server closed the call queue", 0};
+        return false;
+      }
+      continue;
+    }
+    if (now >= give_up) {
+      cq::Word(slot, cq::kCancel).store(1, std::memory_order_relaxed);
+      uint32_t expected_state = cq::kSubmitted;
+      if (!state.compare_exchange_strong(expected_state, cq::kFree, std::memory_order_seq_cst)) {
+        abandoned_[i].store(true, std::memory_order_release);  // taken: the answer comes later
+      }
+      *failure = {kDeadlineExceeded, "no answer before the timeout", 0};
+      return false;
+    }
+    const auto left = std::min<Clock::duration>(give_up - now, std::chrono::milliseconds(100));
+    cq::FutexWait(slot + cq::kState, v,
+                  std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
+    v = state.load(std::memory_order_acquire);
+  }
+  waiting.store(0, std::memory_order_relaxed);
+  return true;
 }
 
 }  // namespace attn::client

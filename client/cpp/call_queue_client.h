@@ -7,15 +7,52 @@
 // calls take different slots.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 namespace attn::client {
+
+// How long calls of each shape took: the call queue's guess of when an answer will land, so a
+// caller can sleep through most of a long call and poll for its end instead of being woken (a
+// futex wake-up costs tens of microseconds on a VM, more after a long sleep). A shape is the
+// method and the request's size: a scheduler's calls of one step and layer repeat both. Keeps
+// the last kShapes shapes. Thread safe.
+class CallTimes {
+ public:
+  static constexpr int kShapes = 16;
+
+  // The expected time of a call of this shape (an average that weighs recent calls most), or 0
+  // when none of its shape has been recorded.
+  std::chrono::nanoseconds Expected(uint32_t method, size_t request_bytes) const;
+  // Adds one answered call's time, from publishing the request to seeing the answer.
+  void Record(uint32_t method, size_t request_bytes, std::chrono::nanoseconds took);
+
+  // How long a call expected to take `expected` sleeps before it polls, when it polls for
+  // `spin` at least: none for calls the spin window covers (and none when spin is 0: a caller
+  // that never polls); else all but a margin of a quarter of the call (its variation) and at
+  // least `spin` (the sleep's own lateness: the timer's slack and the thread's wake-up).
+  // Answers that land during the sleep wake the caller, as without the guess.
+  static std::chrono::nanoseconds SleepBeforePolling(std::chrono::nanoseconds expected,
+                                                     std::chrono::nanoseconds spin);
+
+ private:
+  struct Shape {
+    uint32_t method = 0;
+    size_t request_bytes = 0;
+    int64_t average_ns = 0;  // 0: unused
+    uint64_t last_use = 0;
+  };
+  mutable std::mutex mu_;
+  std::array<Shape, kShapes> shapes_;  // guarded by mu_
+  uint64_t uses_ = 0;                  // guarded by mu_
+};
 
 class CallQueueClient {
  public:
@@ -27,6 +64,11 @@ class CallQueueClient {
     std::string shm_prefix = "/attnserve";
     // How long a call polls its slot for the answer before it sleeps on the slot's futex.
     std::chrono::nanoseconds spin = std::chrono::microseconds(200);
+    // Calls longer than `spin` sleep through most of the time calls of their shape took
+    // (CallTimes), then poll for the answer: it is seen as it lands instead of after a
+    // wake-up, for at most a quarter of the call's time (and `spin`) of polling. Off: poll for
+    // `spin`, then sleep until woken.
+    bool predict = true;
   };
 
   // The answer written into the slot: a canonical status code (0: OK), and the serialized
@@ -62,10 +104,18 @@ class CallQueueClient {
 
   bool closed() const;  // the server stopped serving the queue
 
+  // The times of the calls answered so far, by shape (Options::predict). A caller that knows
+  // what its calls take may record that before the first.
+  CallTimes& call_times() { return times_; }
+
  private:
   CallQueueClient() = default;
   char* Slot(int i) const;
   int Acquire(std::chrono::steady_clock::time_point give_up);
+  // Waits for slot i's answer: true once it is there; false with `failure` set when the queue
+  // closed or give_up passed first.
+  bool Await(int i, std::chrono::nanoseconds expected,
+             std::chrono::steady_clock::time_point give_up, Answer* failure);
 
   Options options_;
   std::string shm_name_, key_;
@@ -74,6 +124,7 @@ class CallQueueClient {
   bool unlinked_ = false;
   // Slots whose caller gave up: reused once the server's answer arrives.
   std::unique_ptr<std::atomic<bool>[]> abandoned_;
+  CallTimes times_;
 };
 
 }  // namespace attn::client

@@ -4,12 +4,16 @@
 The client registers one queue per session (Client(call_queue=...)): a POSIX shared-memory
 object of SLOTS call slots. A call writes its serialized request into a free slot, publishes it
 and waits for the server's answer in the slot: it polls for a moment, then sleeps on the slot's
-futex (through libc's syscall(2) via ctypes; without it, short sleeps). Python has no atomic
-read-modify-write on shared memory, so this side rings the server's doorbell with FUTEX_WAKE_OP:
-the kernel adds 1 to the doorbell and wakes the server in one atomic step (one syscall per call,
-rather than only when the server announced that it sleeps; a plain read-add-write could lose the
-server's own increment and let it sleep through the call). It sleeps on its own slot in bounded
-slices, so a wake-up missed for want of a memory fence costs a slice, never a hang.
+futex (through libc's syscall(2) via ctypes; without it, short sleeps). A call longer than the
+polling window, of a shape (method, request size) seen before, first sleeps through most of the
+time such calls took, then polls: its answer is seen as it lands rather than after a wake-up
+(tens of microseconds on a VM); an answer that lands during that sleep wakes it as before.
+Python has no atomic read-modify-write on shared memory, so this side rings the server's
+doorbell with FUTEX_WAKE_OP: the kernel adds 1 to the doorbell and wakes the server in one
+atomic step (one syscall per call, rather than only when the server announced that it sleeps; a
+plain read-add-write could lose the server's own increment and let it sleep through the call).
+It sleeps on its own slot in bounded slices, so a wake-up missed for want of a memory fence costs
+a slice, never a hang.
 Slots are handed out under a lock: concurrent calls of one client take different slots.
 """
 
@@ -47,6 +51,8 @@ REQUEST_BYTES = 256 << 10
 RESPONSE_BYTES = 64 << 10
 SPIN_S = 50e-6  # polling before the first sleep
 SLICE_S = 1e-3  # longest sleep between looks at the slot
+SHAPES = 16  # call shapes whose times a queue keeps
+PREDICT = True  # queues sleep through the expected time of long calls (CallQueue's predict)
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
 _FUTEX_WAIT, _FUTEX_WAKE, _FUTEX_WAKE_OP = 0, 1, 5
@@ -71,6 +77,33 @@ def _libc() -> ctypes.CDLL | None:
 _LIBC = _libc()
 
 
+def sleep_before_polling(expected: float, spin: float) -> float:
+    """Seconds a call expected to take `expected` sleeps before it polls: none when the spin
+    window covers it; else all but max(spin, a quarter of the call), the margin for its variation
+    and for the sleep's own lateness."""
+    margin = max(spin, expected / 4)
+    return expected - margin if expected > margin else 0.0
+
+
+class CallTimes:
+    """How long calls of each shape (method, request size) took: an average over about the last
+    8 calls of each of the last SHAPES shapes."""
+
+    def __init__(self) -> None:
+        self._average: dict[tuple[int, int], float] = {}
+
+    def expected(self, method: int, request_bytes: int) -> float:
+        """Seconds a call of this shape is expected to take; 0 when none was recorded."""
+        return self._average.get((method, request_bytes), 0.0)
+
+    def record(self, method: int, request_bytes: int, seconds: float) -> None:
+        key = (method, request_bytes)
+        old = self._average.pop(key, None)
+        self._average[key] = seconds if old is None else old + (seconds - old) / 8
+        if len(self._average) > SHAPES:
+            del self._average[next(iter(self._average))]  # the least recently recorded
+
+
 class QueueClosed(Exception):
     """The server stopped serving the queue (unregistered, session gone, shutting down)."""
 
@@ -86,8 +119,11 @@ class CallQueue:
         slots: int = SLOTS,
         request_bytes: int = REQUEST_BYTES,
         response_bytes: int = RESPONSE_BYTES,
+        predict: bool | None = None,
     ) -> None:
         self.name = new_region_name("queue")
+        self.predict = PREDICT if predict is None else predict
+        self.call_times = CallTimes()
         self.shm_name = new_shm_name(prefix)
         self.key = new_key()
         self.slots, self.request_bytes, self.response_bytes = slots, request_bytes, response_bytes
@@ -158,7 +194,11 @@ class CallQueue:
             self._set(base + CLIENT_WAITING, 0)
             self._set(base + STATE, SUBMITTED)  # x86 keeps stores in order: the request first
             self._ring()
-            answer = self._await(base, give_up)
+            published = time.monotonic()
+            expected = self.call_times.expected(method, len(request)) if self.predict else 0.0
+            answer = self._await(base, give_up, expected)
+            if answer[0] == 0:
+                self.call_times.record(method, len(request), time.monotonic() - published)
         except (TimeoutError, QueueClosed):
             raise  # the slot stays out of use: the server may still answer into it
         with self._have_slot:
@@ -166,8 +206,23 @@ class CallQueue:
             self._have_slot.notify()
         return answer
 
-    def _await(self, base: int, give_up: float | None) -> tuple[int, bytes, int]:
-        spin_end = time.monotonic() + SPIN_S
+    def _await(self, base: int, give_up: float | None, expected: float) -> tuple[int, bytes, int]:
+        start = time.monotonic()
+        poll = SPIN_S
+        nap = sleep_before_polling(expected, SPIN_S)
+        if nap > 0:  # a long call of a known shape: sleep through most of it, then poll
+            wake = start + nap if give_up is None else min(give_up, start + nap)
+            self._set(base + CLIENT_WAITING, 1)
+            state = self._word(base + STATE)
+            while state != DONE and not self.server_closed:
+                now = time.monotonic()
+                if now >= wake:
+                    break
+                self._sleep(base + STATE, state, min(wake - now, SLICE_S))
+                state = self._word(base + STATE)
+            self._set(base + CLIENT_WAITING, 0)
+            poll += expected - nap
+        spin_end = time.monotonic() + poll
         while True:
             state = self._word(base + STATE)
             if state == DONE:

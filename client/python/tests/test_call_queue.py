@@ -42,3 +42,61 @@ def test_ringing_adds_one_to_the_doorbell_and_wakes_the_server() -> None:
         assert queue._word(cq.DOORBELL) == (bell + 4) & 0xFFFFFFFF
     finally:
         queue.close()
+
+
+def test_call_times_learn_each_shape_on_its_own() -> None:
+    times = cq.CallTimes()
+    assert times.expected(cq.DECODE, 100) == 0.0
+    times.record(cq.DECODE, 100, 1e-3)
+    assert times.expected(cq.DECODE, 100) == pytest.approx(1e-3)
+    times.record(cq.DECODE, 100, 1.8e-3)  # an eighth of the way to each new time
+    assert times.expected(cq.DECODE, 100) == pytest.approx(1.1e-3)
+    assert times.expected(cq.DECODE, 101) == 0.0
+    assert times.expected(cq.PREFILL, 100) == 0.0
+    for i in range(cq.SHAPES):  # the least recently recorded shape goes first
+        times.record(cq.PREFILL, i, 1e-3)
+    assert times.expected(cq.DECODE, 100) == 0.0
+    assert times.expected(cq.PREFILL, 0) == pytest.approx(1e-3)
+
+
+def test_long_calls_sleep_through_all_but_a_margin() -> None:
+    spin = 200e-6
+    assert cq.sleep_before_polling(0.0, spin) == 0.0
+    assert cq.sleep_before_polling(150e-6, spin) == 0.0
+    assert cq.sleep_before_polling(300e-6, spin) == pytest.approx(100e-6)
+    assert cq.sleep_before_polling(1.2e-3, spin) == pytest.approx(0.9e-3)
+
+
+def answer_once_the_caller_sleeps(queue: cq.CallQueue, answer: bytes) -> None:
+    """The server's side of slot 0: waits for a submitted call whose caller says it sleeps,
+    then answers it and wakes the caller."""
+    state = cq.SLOTS_AT + cq.STATE
+    while queue._word(state) != cq.SUBMITTED or queue._word(cq.SLOTS_AT + cq.CLIENT_WAITING) == 0:
+        pass
+    queue._set(state, cq.TAKEN)
+    area = cq.SLOTS_AT + cq.SLOT_HEADER + queue.request_bytes
+    queue._buf[area : area + len(answer)] = answer
+    queue._set(cq.SLOTS_AT + cq.STATUS, 0)
+    queue._set(cq.SLOTS_AT + cq.RESPONSE_LEN, len(answer))
+    queue._set(state, cq.DONE)
+    cq._LIBC.syscall(cq._SYS_FUTEX, ctypes.c_void_p(queue._address(state)), cq._FUTEX_WAKE, 1,
+                     None, None, 0)  # fmt: skip
+
+
+@pytest.mark.parametrize("predict", [True, False])
+def test_an_answer_before_the_expected_time_wakes_the_caller(predict: bool) -> None:
+    """A caller sleeping through a long call's expected time says so in its slot, so an answer
+    that lands early wakes it: missed, this call would sleep past its timeout."""
+    queue = cq.CallQueue(slots=1, request_bytes=256, response_bytes=256, predict=predict)
+    try:
+        request = b"request"
+        queue.call_times.record(cq.DECODE, len(request), 600.0)
+        server = threading.Thread(target=answer_once_the_caller_sleeps, args=(queue, b"ok"))
+        server.start()
+        status, data, _ = queue.call(cq.DECODE, request, timeout=30.0)
+        server.join()
+        assert (status, data) == (0, b"ok")
+        # The answered call's time went into its shape's average.
+        assert 0 < queue.call_times.expected(cq.DECODE, len(request)) < 600.0
+    finally:
+        queue.close()
