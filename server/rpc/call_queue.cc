@@ -33,6 +33,13 @@ absl::Status CheckCallQueueGeometry(const CallQueueGeometry& g, int64_t region_b
   return absl::OkStatus();
 }
 
+RegistrationFields RegistrationFieldsOf(const CallQueueGeometry& g) {
+  return {{"call_queue", "set"},
+          {"call_queue.slots", absl::StrCat(g.slots)},
+          {"call_queue.request_bytes", absl::StrCat(g.request_bytes)},
+          {"call_queue.response_bytes", absl::StrCat(g.response_bytes)}};
+}
+
 // What the queue's thread and its calls share. The segment stays mapped while any call is in
 // flight (the thread waits for them before it lets the region go).
 struct QueuedCall::Shared {

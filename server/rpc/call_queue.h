@@ -41,6 +41,11 @@ struct CallQueueGeometry {
 // INVALID_ARGUMENT unless the geometry is within CallQueue's limits and fits `region_bytes`.
 absl::Status CheckCallQueueGeometry(const CallQueueGeometry& g, int64_t region_bytes);
 
+// The geometry as fields of the region's registration (Engine::RegisterRegion's `use`), so that
+// only a registration of the same geometry is taken for a retry. The first, "call_queue", tells
+// it from a registration of the same memory as a plain region.
+RegistrationFields RegistrationFieldsOf(const CallQueueGeometry& g);
+
 struct CallQueueOptions {
   // How long the thread polls after its last call (taken or answered) before it sleeps.
   absl::Duration spin = absl::Microseconds(100);
