@@ -1,6 +1,7 @@
 #include "server/engine/engine.h"
 
 #include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -147,7 +148,7 @@ void Engine::ExpireSessions(absl::Time now) {
 // --- Registered memory
 
 absl::StatusOr<RegionInfo> Engine::RegisterRegion(const Caller& caller, absl::string_view name,
-                                                  const RegionSpec& spec) {
+                                                  const RegionSpec& spec, RegistrationFields use) {
   const bool allowed =
       spec.kind == RegionKind::kSharedMemory ? data_plane_.shared_memory : data_plane_.cuda_ipc;
   if (!allowed) {
@@ -155,16 +156,21 @@ absl::StatusOr<RegionInfo> Engine::RegisterRegion(const Caller& caller, absl::st
         "this server does not accept ", RegionKindName(spec.kind),
         " regions (ServerConfig.data_plane; GetServerInfo.data_plane says what it accepts)"));
   }
-  // What the memory is: a retry of a registration whose answer was lost finds the same.
-  const std::string what =
-      absl::StrCat(static_cast<int>(spec.kind), ":", spec.shm_name.size(), ":", spec.shm_name,
-                   spec.ipc_handle, ":", spec.offset, ":", spec.size, ":", spec.key);
+  // What the registration asks for: a retry of one whose answer was lost asks for the same.
+  const bool shm = spec.kind == RegionKind::kSharedMemory;
+  RegistrationFields what = {
+      {"memory", RegionKindName(spec.kind)},
+      {shm ? "shared_memory.shm_name" : "cuda_ipc.handle", shm ? spec.shm_name : spec.ipc_handle},
+      {"offset", absl::StrCat(spec.offset)},
+      {"size", absl::StrCat(spec.size)},
+      {"key", spec.key}};
+  what.insert(what.end(), std::make_move_iterator(use.begin()), std::make_move_iterator(use.end()));
   SessionId owner = 0;
   {
     absl::MutexLock lock(&mu_);
     ATTN_ASSIGN_OR_RETURN(owner, Resolve(caller));
     ATTN_ASSIGN_OR_RETURN(std::optional<RegionInfo> existing,
-                          regions_.Reserve(owner, name, spec.size, what));
+                          regions_.Reserve(owner, name, spec.size, std::move(what)));
     if (existing.has_value()) return *std::move(existing);
   }
   // Mapping (and page-locking) can take milliseconds: outside the engine's lock. A session that

@@ -112,9 +112,11 @@ class Engine {
   // --- Registered memory (attention.proto, "Registered memory"), per session.
   const DataPlaneOptions& data_plane() const { return data_plane_; }
   // Maps `spec` for the caller's session under `name` (RegionTable::Reserve's errors,
-  // UNIMPLEMENTED for a kind the server does not allow, the backend's mapping errors).
+  // UNIMPLEMENTED for a kind the server does not allow, the backend's mapping errors). `use` is
+  // what else the registration asks of the region (a call queue's geometry): a retry must repeat
+  // it as exactly as the memory.
   absl::StatusOr<RegionInfo> RegisterRegion(const Caller& caller, absl::string_view name,
-                                            const RegionSpec& spec);
+                                            const RegionSpec& spec, RegistrationFields use = {});
   absl::Status UnregisterRegion(const Caller& caller, absl::string_view name);
   absl::StatusOr<std::vector<RegionInfo>> ListRegions(const Caller& caller);
   // The slices a call names in its session's regions, checked and counted as in use

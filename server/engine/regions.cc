@@ -1,5 +1,6 @@
 #include "server/engine/regions.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -100,6 +101,16 @@ std::string ShownName(absl::string_view name) {
 
 namespace {
 
+// The first field in which two registrations differ ("" when they are the same); a field only
+// one of them has differs.
+std::string FirstDifference(const RegistrationFields& a, const RegistrationFields& b) {
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    if (i >= a.size()) return b[i].first;
+    if (i >= b.size() || a[i] != b[i]) return a[i].first;
+  }
+  return "";
+}
+
 absl::Status BrokenError(absl::string_view name) {
   return absl::FailedPreconditionError(
       absl::StrCat("region '", name,
@@ -129,7 +140,7 @@ std::shared_ptr<RegionUse::Region> RegionTable::EraseLocked(SessionId session,
 
 absl::StatusOr<std::optional<RegionInfo>> RegionTable::Reserve(SessionId session,
                                                                absl::string_view name, int64_t size,
-                                                               std::string what) {
+                                                               RegistrationFields what) {
   if (!IsValidName(name)) {
     return absl::InvalidArgumentError(absl::StrCat("region name '", ShownName(name),
                                                    "' must be 1-64 characters of [A-Za-z0-9_.-]"));
@@ -142,16 +153,22 @@ absl::StatusOr<std::optional<RegionInfo>> RegionTable::Reserve(SessionId session
   SessionRegions& s = sessions_[session];
   if (auto it = s.by_name.find(name); it != s.by_name.end()) {
     const Slot& slot = it->second;
-    if (slot.region != nullptr && !what.empty() && slot.what == what) {
-      // A retry must not report a region whose memory went away as registered (a call queue
-      // would be served again, and stop at once).
-      if (slot.region->memory->broken()) return BrokenError(name);
-      absl::MutexLock watch(&slot.region->watch_mu);
-      return RegionInfo{slot.region->name, slot.region->memory->kind(), slot.size,
-                        slot.region->in_use.load(), slot.region->held};
+    const std::string already =
+        absl::StrCat("region '", name, "' is already registered by this session");
+    if (slot.region == nullptr || what.empty()) return absl::AlreadyExistsError(already);
+    // Only the very same registration is a retry: one that differs in anything (a call queue's
+    // geometry too) would be answered OK and served as the first one asked.
+    if (const std::string field = FirstDifference(slot.what, what); !field.empty()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          already, " with another ", field,
+          "; a retry must repeat the registration exactly (unregister the region to change it)"));
     }
-    return absl::AlreadyExistsError(
-        absl::StrCat("region '", name, "' is already registered by this session"));
+    // A retry must not report a region whose memory went away as registered (a call queue
+    // would be served again, and stop at once).
+    if (slot.region->memory->broken()) return BrokenError(name);
+    absl::MutexLock watch(&slot.region->watch_mu);
+    return RegionInfo{slot.region->name, slot.region->memory->kind(), slot.size,
+                      slot.region->in_use.load(), slot.region->held};
   }
   const int count = static_cast<int>(s.by_name.size());
   absl::Status refused;

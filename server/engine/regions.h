@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -83,6 +84,12 @@ struct DataPlaneOptions {
   int call_queue_spin_us = 100;    // polling after each call before sleeping on the doorbell
   int max_plans_per_session = 16;  // checked page tables (server/engine/plans.h), always on
 };
+
+// What a registration asked for, field by field in a fixed order, each named as in
+// RegisterRegionRequest ("shared_memory.shm_name", "size", "key", "call_queue.slots", ...): a
+// retry of a registration whose answer was lost asks for the same; any other registration of the
+// name is refused, naming the first field that differs.
+using RegistrationFields = std::vector<std::pair<std::string, std::string>>;
 
 // A region as ListRegions shows it.
 struct RegionInfo {
@@ -173,13 +180,15 @@ class RegionTable {
 
   // Checks the name and the session's limits for a region of `size` bytes and reserves both, so
   // the (slow) mapping runs outside the lock: INVALID_ARGUMENT for a bad name, ALREADY_EXISTS for
-  // a name the session uses for other memory, RESOURCE_EXHAUSTED past a limit. Then exactly one
-  // of Commit (the mapping succeeded) or Abandon (it failed). `what` identifies the memory (kind,
-  // name or handle, offset, size, key): a retry of a registration that succeeded (its answer was
-  // lost) finds the same `what` and gets the region's info instead, with nothing reserved
-  // (FAILED_PRECONDITION instead when the region's memory went away: MappedMemory::broken).
+  // a name the session registered otherwise (naming the first field of `what` that differs),
+  // RESOURCE_EXHAUSTED past a limit. Then exactly one of Commit (the mapping succeeded) or
+  // Abandon (it failed). `what` is the whole registration (the memory: kind, name or handle,
+  // offset, size, key; and what it is for: a call queue's geometry): a retry of a registration
+  // that succeeded (its answer was lost) finds the same `what` and gets the region's info
+  // instead, with nothing reserved (FAILED_PRECONDITION instead when the region's memory went
+  // away: MappedMemory::broken).
   absl::StatusOr<std::optional<RegionInfo>> Reserve(SessionId session, absl::string_view name,
-                                                    int64_t size, std::string what = "");
+                                                    int64_t size, RegistrationFields what = {});
   // Installs the mapping under a reserved name. If the session was released in between, the
   // mapping is dropped and NOT_FOUND returned.
   absl::StatusOr<RegionInfo> Commit(SessionId session, absl::string_view name,
@@ -214,7 +223,7 @@ class RegionTable {
  private:
   struct Slot {
     int64_t size = 0;
-    std::string what;                           // Reserve's `what`
+    RegistrationFields what;                    // Reserve's `what`
     std::shared_ptr<RegionUse::Region> region;  // nullptr while reserved
   };
   struct SessionRegions {

@@ -4,9 +4,12 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace attn {
@@ -28,6 +31,13 @@ class HeapMemory final : public MappedMemory {
   std::atomic<int>* live_;
   bool broken_ = false;
 };
+
+// A registration of shared-memory object `shm` (the fields RegionTable compares for a retry).
+RegistrationFields Of(const std::string& shm, const std::string& slots = "") {
+  RegistrationFields what = {{"shared_memory.shm_name", shm}, {"size", "1024"}, {"key", "k"}};
+  if (!slots.empty()) what.push_back({"call_queue.slots", slots});
+  return what;
+}
 
 class RegionTableTest : public ::testing::Test {
  protected:
@@ -146,21 +156,26 @@ TEST_F(RegionTableTest, RefusesBadNamesAndSizes) {
 }
 
 TEST_F(RegionTableTest, ARetriedRegistrationGetsTheSameRegion) {
-  ASSERT_TRUE(table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key").ok());
+  ASSERT_TRUE(table_.Reserve(1, "a", 1024, Of("/x")).ok());
   ASSERT_TRUE(table_.Commit(1, "a", std::make_unique<HeapMemory>(1024, &live_)).ok());
-  absl::StatusOr<std::optional<RegionInfo>> again =
-      table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key");
+  absl::StatusOr<std::optional<RegionInfo>> again = table_.Reserve(1, "a", 1024, Of("/x"));
   ASSERT_TRUE(again.ok());
   ASSERT_TRUE(again->has_value());  // nothing to map again
   EXPECT_EQ((*again)->size, 1024);
   EXPECT_FALSE((*again)->held);
   absl::StatusOr<RegionHold> hold = table_.Hold(1, "a", [](RegionGone) {});
   ASSERT_TRUE(hold.ok());
-  again = table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key");
+  again = table_.Reserve(1, "a", 1024, Of("/x"));
   ASSERT_TRUE(again.ok() && again->has_value());
   EXPECT_TRUE((*again)->held);  // a call queue serves it: the retry says so
-  EXPECT_EQ(table_.Reserve(1, "a", 1024, "shm:/y:0:1024:key").status().code(),
-            absl::StatusCode::kAlreadyExists);  // the name, for other memory
+  // The name, for other memory, or for the same memory asked of otherwise: no retry, and the
+  // refusal names what differs.
+  for (const auto& [what, field] :
+       {std::pair{Of("/y"), "shared_memory.shm_name"}, {Of("/x", "4"), "call_queue.slots"}}) {
+    const absl::Status st = table_.Reserve(1, "a", 1024, what).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kAlreadyExists);
+    EXPECT_NE(st.message().find(absl::StrCat("another ", field, ";")), std::string::npos) << st;
+  }
   EXPECT_EQ(table_.List(1).size(), 1u);
   EXPECT_EQ(live_, 1);
 }
@@ -214,12 +229,12 @@ TEST_F(RegionTableTest, BrokenMemoryFailsCalls) {
 // A region whose memory went away stays registered (until unregistered) but is no longer found
 // by a retried registration, nor held by a call queue.
 TEST_F(RegionTableTest, BrokenMemoryIsNotRegisteredOrHeldAgain) {
-  ASSERT_TRUE(table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key").ok());
+  ASSERT_TRUE(table_.Reserve(1, "a", 1024, Of("/x")).ok());
   auto memory = std::make_unique<HeapMemory>(1024, &live_);
   HeapMemory* m = memory.get();
   ASSERT_TRUE(table_.Commit(1, "a", std::move(memory)).ok());
   m->Break();
-  EXPECT_EQ(table_.Reserve(1, "a", 1024, "shm:/x:0:1024:key").status().code(),
+  EXPECT_EQ(table_.Reserve(1, "a", 1024, Of("/x")).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(table_.Hold(1, "a", [](RegionGone) {}).status().code(),
             absl::StatusCode::kFailedPrecondition);

@@ -33,6 +33,13 @@ absl::Status CheckCallQueueGeometry(const CallQueueGeometry& g, int64_t region_b
   return absl::OkStatus();
 }
 
+RegistrationFields RegistrationFieldsOf(const CallQueueGeometry& g) {
+  return {{"call_queue", "set"},
+          {"call_queue.slots", absl::StrCat(g.slots)},
+          {"call_queue.request_bytes", absl::StrCat(g.request_bytes)},
+          {"call_queue.response_bytes", absl::StrCat(g.response_bytes)}};
+}
+
 // What the queue's thread and its calls share. The segment stays mapped while any call is in
 // flight (the thread waits for them before it lets the region go).
 struct QueuedCall::Shared {
@@ -46,6 +53,7 @@ struct QueuedCall::Shared {
   std::atomic<uint32_t> answers{0};
   std::atomic<bool> sleeping{false};
   std::atomic<bool> stop{false};
+  std::function<void(int)> after_answer;  // CallQueueOptions::after_answer
 
   char* slot(int i) const {
     return base + cq::kSlots +
@@ -104,6 +112,8 @@ void QueuedCall::Finish(const absl::Status& status, const std::string& response,
   if (cq::Word(slot, cq::kClientWaiting).load(std::memory_order_seq_cst) != 0) {
     cq::FutexWake(slot + cq::kState, INT32_MAX);
   }
+  if (q.after_answer) q.after_answer(slot_);
+  // From here the slot may be taken again (a caller may have published its next call already).
   q.serving[slot_].store(false, std::memory_order_release);
   q.answers.fetch_add(1, std::memory_order_seq_cst);
   q.WakeThread();
@@ -120,6 +130,7 @@ CallQueueServer::CallQueueServer(std::string name, CallQueueGeometry geometry,
       handler_(std::move(handler)),
       shared_(std::make_shared<QueuedCall::Shared>()) {
   shared_->geometry = geometry_;
+  shared_->after_answer = options_.after_answer;
   shared_->serving = std::make_unique<std::atomic<bool>[]>(geometry_.slots);
   for (int i = 0; i < geometry_.slots; ++i) shared_->serving[i].store(false);
 }
@@ -179,13 +190,17 @@ bool CallQueueServer::Scan() {
   return took;
 }
 
-void CallQueueServer::Take(int i) {
+std::unique_ptr<QueuedCall> CallQueueServer::Claim(int i) {
   shared_->serving[i].store(true, std::memory_order_relaxed);
   {
     absl::MutexLock lock(&shared_->mu);
     ++shared_->in_flight;
   }
-  std::unique_ptr<QueuedCall> call(new QueuedCall(shared_, i));
+  return std::unique_ptr<QueuedCall>(new QueuedCall(shared_, i));
+}
+
+void CallQueueServer::Take(int i) {
+  std::unique_ptr<QueuedCall> call = Claim(i);
   char* slot = shared_->slot(i);
   // Each word once, into our own copy: the caller may change them at any moment from here on.
   call->method_ = cq::Word(slot, cq::kMethod).load(std::memory_order_relaxed);
@@ -260,6 +275,22 @@ void CallQueueServer::Loop() {
   Shutdown();
 }
 
+void CallQueueServer::AnswerWaiting(const absl::Status& why) {
+  QueuedCall::Shared& q = *shared_;
+  for (int i = 0; i < geometry_.slots; ++i) {
+    if (q.serving[i].load(std::memory_order_acquire)) continue;
+    // kSubmitted: published and not taken. kTaken on a slot with no call in flight can only be
+    // the caller's own write (Finish stores kDone before it frees the slot); a caller waiting on
+    // it is told too.
+    auto state = cq::Word(q.slot(i), cq::kState);
+    uint32_t expected = state.load(std::memory_order_seq_cst);
+    if (expected != cq::kSubmitted && expected != cq::kTaken) continue;
+    if (state.compare_exchange_strong(expected, cq::kTaken, std::memory_order_seq_cst)) {
+      Claim(i)->Finish(why);
+    }
+  }
+}
+
 void CallQueueServer::Shutdown() {
   QueuedCall::Shared& q = *shared_;
   absl::Status why;
@@ -270,25 +301,18 @@ void CallQueueServer::Shutdown() {
   if (why.ok()) why = absl::UnavailableError("the call queue stopped");
   cq::Word(q.base, cq::kClosed).store(1, std::memory_order_seq_cst);
   // Slots still waiting get the reason; calls in flight end as they would have.
-  for (int i = 0; i < geometry_.slots; ++i) {
-    if (q.serving[i].load(std::memory_order_acquire)) continue;
-    auto state = cq::Word(q.slot(i), cq::kState);
-    uint32_t expected = cq::kSubmitted;
-    if (state.compare_exchange_strong(expected, cq::kTaken, std::memory_order_seq_cst)) {
-      q.serving[i].store(true, std::memory_order_relaxed);
-      {
-        absl::MutexLock lock(&q.mu);
-        ++q.in_flight;
-      }
-      QueuedCall(shared_, i).Finish(why);
-    }
-  }
+  AnswerWaiting(why);
   {
     absl::MutexLock lock(&q.mu);
     q.mu.Await(absl::Condition(
         +[](QueuedCall::Shared* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->in_flight == 0; },
         &q));
   }
+  // Again, now that no call is in flight: the pass above skipped the slots it found in flight,
+  // and a caller may have published its next call into one of them as soon as its answer was
+  // out (before Finish freed the slot). A call published after this pass is the caller's to
+  // take back: `closed` is set.
+  AnswerWaiting(why);
   // A caller sleeping on a slot that will never be answered (it was never submitted) learns
   // of the close when it wakes.
   for (int i = 0; i < geometry_.slots; ++i) cq::FutexWake(q.slot(i) + cq::kState, INT32_MAX);

@@ -41,6 +41,11 @@ struct CallQueueGeometry {
 // INVALID_ARGUMENT unless the geometry is within CallQueue's limits and fits `region_bytes`.
 absl::Status CheckCallQueueGeometry(const CallQueueGeometry& g, int64_t region_bytes);
 
+// The geometry as fields of the region's registration (Engine::RegisterRegion's `use`), so that
+// only a registration of the same geometry is taken for a retry. The first, "call_queue", tells
+// it from a registration of the same memory as a plain region.
+RegistrationFields RegistrationFieldsOf(const CallQueueGeometry& g);
+
 struct CallQueueOptions {
   // How long the thread polls after its last call (taken or answered) before it sleeps.
   absl::Duration spin = absl::Microseconds(100);
@@ -49,6 +54,9 @@ struct CallQueueOptions {
   // Testing hook: runs after the thread announced that it sleeps and before its last scan, the
   // window a caller's publish must not be lost in.
   std::function<void()> before_sleep;
+  // Testing hook: runs in QueuedCall::Finish after the answer is published (kDone) and before the
+  // slot counts as free again, the window in which a quick caller's next call is already in it.
+  std::function<void(int slot)> after_answer;
 };
 
 // One call taken out of a slot. The handler must call Finish exactly once, from any thread.
@@ -89,9 +97,10 @@ class QueuedCall {
 
 // Serves one queue: a thread of its own from construction until it stops. It stops when asked
 // (Stop), when its region leaves its session's table (UnregisterRegion, session closed or
-// expired: the RegionHold's on_gone calls Stop), or when its memory goes away; it then answers
-// the slots still waiting, waits for the calls it handed out to finish, sets the segment's
-// `closed` word, lets the region go and runs the `on_stopped` callbacks. Thread safe.
+// expired: the RegionHold's on_gone calls Stop), or when its memory goes away; it then sets the
+// segment's `closed` word, answers the slots still waiting, waits for the calls it handed out to
+// finish, answers the slots waiting by then (a caller's next call published as its last answer
+// went out), lets the region go and runs the `on_stopped` callbacks. Thread safe.
 class CallQueueServer {
  public:
   using Handler = std::function<void(std::unique_ptr<QueuedCall>)>;
@@ -118,6 +127,10 @@ class CallQueueServer {
   // Takes every submitted slot; true if it took one.
   bool Scan();
   void Take(int slot);
+  // The call of a slot the thread moved to kTaken, counted as in flight.
+  std::unique_ptr<QueuedCall> Claim(int slot);
+  // Answers `why` into every slot that waits and has no call in flight (Shutdown).
+  void AnswerWaiting(const absl::Status& why);
   void Shutdown();
 
   const std::string name_;

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -261,6 +262,49 @@ TEST_F(CallQueueTest, UnregisteringAnswersWaitingSlotsAndWaitsForCallsInFlight) 
   EXPECT_TRUE(client_->closed());
   // A caller publishing after the close gets UNAVAILABLE from its own side.
   EXPECT_EQ(client_->Call(cq::kDecode, "after").code, 14);
+}
+
+// A caller's next call published in its slot as soon as the last answer is out, while the server
+// still counts the slot as served, and the queue stopping in that window: the stop's first pass
+// goes past the slot (a call in flight), and the slot must still be answered before the queue
+// closes, not left kSubmitted for a caller that may wait without a timeout. A slot the caller
+// set to kTaken itself (no call of the server in it) is answered too.
+TEST_F(CallQueueTest, ANextCallPublishedAsTheLastAnswerGoesOutIsAnsweredAtStop) {
+  CallQueueOptions options;
+  options.spin = absl::ZeroDuration();
+  std::atomic<bool> in_window{false};
+  bool stopping = false;  // the queue's thread only
+  options.before_sleep = [&] {
+    if (!in_window.load() || std::exchange(stopping, true)) return;
+    Publish(1, cq::kDecode, 1, "b");  // not scanned: the stop comes first
+    server_->Stop(absl::UnavailableError("the call queue closed"));
+  };
+  std::atomic<int> answers_of_0{0};
+  options.after_answer = [&](int slot) {
+    if (slot != 0 || answers_of_0++ > 0) return;
+    Publish(0, cq::kDecode, 4, "next");  // the caller's next call: scans skip it (in flight)
+    in_window = true;
+    AwaitDone(1);  // the stop's first pass answered slot 1: it went past slot 0
+  };
+  Start(std::move(options));
+  calls_.echo = false;
+  cq::Word(Slot(2), cq::kState).store(cq::kTaken);
+  Publish(0, cq::kDecode, 5, "first");
+  calls_.AwaitHeld(1);
+  std::unique_ptr<QueuedCall> call;
+  {
+    absl::MutexLock lock(&calls_.mu);
+    call = std::move(calls_.held[0]);
+  }
+  call->Finish(absl::OkStatus(), "answer");  // returns once the window above is over
+  server_.reset();                           // joins the stopped thread
+  EXPECT_EQ(calls_.Taken(), 1);
+  for (int i : {0, 1, 2}) {
+    EXPECT_EQ(cq::Word(Slot(i), cq::kState).load(), cq::kDone) << "slot " << i;
+    EXPECT_EQ(Status(i), static_cast<int>(absl::StatusCode::kUnavailable)) << "slot " << i;
+    EXPECT_EQ(Answer(i), "the call queue closed") << "slot " << i;
+  }
+  EXPECT_EQ(cq::Word(base_, cq::kClosed).load(), 1u);
 }
 
 TEST_F(CallQueueTest, TheCallersTimeoutBecomesTheDeadline) {

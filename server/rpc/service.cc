@@ -574,14 +574,18 @@ void AttentionServiceImpl::RegisterCallQueue(
   }
   const Caller caller = call.CallerOf(req.session());
   if (absl::Status st = call_queues_.Reserve(req.session(), req.name()); !st.ok()) {
-    // A retry of a registration whose answer was lost finds its region (or ALREADY_EXISTS).
+    // A retry of a registration whose answer was lost finds its region; one of other memory or
+    // another geometry is ALREADY_EXISTS.
     absl::StatusOr<RegionInfo> again =
-        absl::IsAlreadyExists(st) ? engine_->RegisterRegion(caller, req.name(), spec) : st;
+        absl::IsAlreadyExists(st)
+            ? engine_->RegisterRegion(caller, req.name(), spec, RegistrationFieldsOf(geometry))
+            : st;
     if (!again.ok()) return call.Complete(again.status());
     *call.response.mutable_region() = ToProto(*again);
     return call.Complete(absl::OkStatus());
   }
-  absl::StatusOr<RegionInfo> region = engine_->RegisterRegion(caller, req.name(), spec);
+  absl::StatusOr<RegionInfo> region =
+      engine_->RegisterRegion(caller, req.name(), spec, RegistrationFieldsOf(geometry));
   if (!region.ok()) {
     call_queues_.Abandon(req.session(), req.name());
     return call.Complete(region.status());

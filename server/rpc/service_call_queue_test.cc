@@ -11,8 +11,10 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -188,6 +190,12 @@ class CallQueueServiceTest : public ::testing::Test {
     req.mutable_call_queue()->set_response_bytes(queue.options().response_bytes);
     return req;
   }
+  grpc::Status SendRegistration(const v1::RegisterRegionRequest& req,
+                                v1::RegisterRegionResponse* resp, const std::string& token = "") {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, token);
+    return stub_->RegisterRegion(&ctx, req, resp);
+  }
   // The segment's name stays until the queue's Unlink when `unlink` is false.
   std::unique_ptr<CallQueueClient> Register(const std::string& session, const std::string& name,
                                             grpc::Status* status = nullptr,
@@ -195,11 +203,8 @@ class CallQueueServiceTest : public ::testing::Test {
     std::string error;
     auto queue = CallQueueClient::Create({}, &error);
     EXPECT_NE(queue, nullptr) << error;
-    grpc::ClientContext ctx;
-    Authorize(&ctx, token);
     v1::RegisterRegionResponse resp;
-    const grpc::Status st =
-        stub_->RegisterRegion(&ctx, RegistrationOf(*queue, session, name), &resp);
+    const grpc::Status st = SendRegistration(RegistrationOf(*queue, session, name), &resp, token);
     if (status != nullptr) *status = st;
     if (!st.ok()) return nullptr;
     EXPECT_TRUE(resp.region().call_queue());
@@ -300,13 +305,59 @@ TEST_F(CallQueueServiceTest, ARetriedRegistrationFindsTheServingQueue) {
   const int32_t page = AllocatePage(s);
   auto q = Register(s, "q");
   ASSERT_NE(q, nullptr);
-  grpc::ClientContext ctx;
   v1::RegisterRegionResponse resp;
-  const grpc::Status st = stub_->RegisterRegion(&ctx, RegistrationOf(*q, s, "q"), &resp);
+  const grpc::Status st = SendRegistration(RegistrationOf(*q, s, "q"), &resp);
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_TRUE(resp.region().call_queue());
   EXPECT_EQ(resp.region().size(), q->size());
   EXPECT_EQ(QueueDecode(*q, DecodeOnto(page, s)), 0) << last_message_;
+}
+
+// A registration that differs from the one registered only in what the memory is for (the
+// queue's geometry, or being a queue at all) is no retry: answered OK, its caller would write
+// slots at offsets the server does not read. ALREADY_EXISTS names the field, as for other
+// memory, and the queue keeps serving with the geometry it was registered with.
+TEST_F(CallQueueServiceTest, ARegistrationOfAnotherGeometryIsNoRetry) {
+  const std::string s = OpenSession();
+  const int32_t page = AllocatePage(s);
+  auto q = Register(s, "q");
+  ASSERT_NE(q, nullptr);
+  // The message of a registration refused with ALREADY_EXISTS.
+  const auto refused = [this](const v1::RegisterRegionRequest& req) {
+    v1::RegisterRegionResponse resp;
+    const grpc::Status st = SendRegistration(req, &resp);
+    EXPECT_EQ(st.error_code(), StatusCode::ALREADY_EXISTS) << st.error_message();
+    return st.error_message();
+  };
+  const CallQueueClient::Options& o = q->options();
+  for (const auto& [field, slots, request_bytes, response_bytes] :
+       {std::tuple{"call_queue.slots", o.slots - 1, o.request_bytes, o.response_bytes},
+        {"call_queue.request_bytes", o.slots, o.request_bytes / 2, o.response_bytes},
+        {"call_queue.response_bytes", o.slots, o.request_bytes, o.response_bytes / 2}}) {
+    v1::RegisterRegionRequest other = RegistrationOf(*q, s, "q");
+    other.mutable_call_queue()->set_slots(slots);
+    other.mutable_call_queue()->set_request_bytes(request_bytes);
+    other.mutable_call_queue()->set_response_bytes(response_bytes);
+    const std::string message = refused(other);
+    EXPECT_NE(message.find(absl::StrCat("another ", field, ";")), std::string::npos) << message;
+  }
+  v1::RegisterRegionRequest plain = RegistrationOf(*q, s, "q");
+  plain.clear_call_queue();
+  std::string message = refused(plain);
+  EXPECT_NE(message.find("another call_queue;"), std::string::npos) << message;
+  EXPECT_TRUE(Listed(s, "q").call_queue());
+  EXPECT_EQ(QueueDecode(*q, DecodeOnto(page, s)), 0) << last_message_;
+  // Nor does a region registered as plain memory become a queue by a "retry" as one.
+  std::string error;
+  auto segment = CallQueueClient::Create({}, &error);
+  ASSERT_NE(segment, nullptr) << error;
+  plain = RegistrationOf(*segment, s, "r");
+  plain.clear_call_queue();
+  v1::RegisterRegionResponse resp;
+  ASSERT_TRUE(SendRegistration(plain, &resp).ok());
+  message = refused(RegistrationOf(*segment, s, "r"));
+  EXPECT_NE(message.find("another call_queue;"), std::string::npos) << message;
+  EXPECT_FALSE(Listed(s, "r").call_queue());
 }
 
 TEST_F(CallQueueServiceTest, RefusalsComeBackWithTheRpcsCodes) {
