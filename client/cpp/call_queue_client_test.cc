@@ -102,18 +102,25 @@ CallQueueClient::Options OneSlot() {
   return options;
 }
 
+constexpr char kRequest[] = "request";
+
+// One call of `method` whose answer the fake server sends once the caller sleeps.
+CallQueueClient::Answer CallAnsweredOnceTheCallerSleeps(CallQueueClient& q, uint32_t method) {
+  FakeServer server(q);
+  std::thread answer([&] { server.AnswerOnceTheCallerSleeps(q.options().request_bytes); });
+  CallQueueClient::Answer a = q.Call(method, kRequest, seconds(30));
+  answer.join();
+  return a;
+}
+
 // A caller sleeping through the expected time of a long call says so in the slot, so an answer
 // that lands early wakes it: with the wake-up missed, this call would sleep past its timeout.
 TEST(CallQueueClientTest, AnAnswerBeforeTheExpectedTimeWakesTheCaller) {
   std::string error;
   auto q = CallQueueClient::Create(OneSlot(), &error);
   ASSERT_NE(q, nullptr) << error;
-  const std::string request = "request";
-  q->call_times().Record(cq::kDecode, request.size(), seconds(600));
-  FakeServer server(*q);
-  std::thread answer([&] { server.AnswerOnceTheCallerSleeps(q->options().request_bytes); });
-  const CallQueueClient::Answer a = q->Call(cq::kDecode, request, seconds(30));
-  answer.join();
+  q->call_times().Record(cq::kDecode, sizeof(kRequest) - 1, seconds(600));
+  const CallQueueClient::Answer a = CallAnsweredOnceTheCallerSleeps(*q, cq::kDecode);
   EXPECT_EQ(a.code, 0) << a.bytes;
   EXPECT_EQ(a.bytes, "ok");
 }
@@ -122,14 +129,10 @@ TEST(CallQueueClientTest, LearnsTheTimeOfEachAnsweredShape) {
   std::string error;
   auto q = CallQueueClient::Create(OneSlot(), &error);
   ASSERT_NE(q, nullptr) << error;
-  const std::string request = "request";
-  FakeServer server(*q);
-  std::thread answer([&] { server.AnswerOnceTheCallerSleeps(q->options().request_bytes); });
-  const CallQueueClient::Answer a = q->Call(cq::kPrefill, request, seconds(30));
-  answer.join();
+  const CallQueueClient::Answer a = CallAnsweredOnceTheCallerSleeps(*q, cq::kPrefill);
   ASSERT_EQ(a.code, 0) << a.bytes;
-  EXPECT_GT(q->call_times().Expected(cq::kPrefill, request.size()).count(), 0);
-  EXPECT_EQ(q->call_times().Expected(cq::kDecode, request.size()).count(), 0);
+  EXPECT_GT(q->call_times().Expected(cq::kPrefill, sizeof(kRequest) - 1).count(), 0);
+  EXPECT_EQ(q->call_times().Expected(cq::kDecode, sizeof(kRequest) - 1).count(), 0);
 }
 
 TEST(CallQueueClientTest, WithoutPredictionTheCallerPollsThenSleeps) {
@@ -138,12 +141,8 @@ TEST(CallQueueClientTest, WithoutPredictionTheCallerPollsThenSleeps) {
   options.predict = false;
   auto q = CallQueueClient::Create(options, &error);
   ASSERT_NE(q, nullptr) << error;
-  const std::string request = "request";
-  q->call_times().Record(cq::kDecode, request.size(), seconds(600));
-  FakeServer server(*q);
-  std::thread answer([&] { server.AnswerOnceTheCallerSleeps(q->options().request_bytes); });
-  const CallQueueClient::Answer a = q->Call(cq::kDecode, request, seconds(30));
-  answer.join();
+  q->call_times().Record(cq::kDecode, sizeof(kRequest) - 1, seconds(600));
+  const CallQueueClient::Answer a = CallAnsweredOnceTheCallerSleeps(*q, cq::kDecode);
   EXPECT_EQ(a.code, 0) << a.bytes;
 }
 

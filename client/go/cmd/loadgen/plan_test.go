@@ -7,13 +7,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"path"
 	"sort"
 	"strings"
-	"sync"
 	"testing"
-
-	"google.golang.org/grpc"
 
 	"attnserve/client/go/attnserve"
 	"attnserve/client/go/attnservetest"
@@ -68,30 +64,6 @@ func TestCheckPlans(t *testing.T) {
 			t.Errorf("%+v: %v", tc, err)
 		}
 	}
-}
-
-// call is one unary call a client made, as sent and as answered.
-type call struct {
-	method     string // "Decode", "CreatePlan", ...
-	req, reply interface{}
-	err        error
-}
-
-// recorder keeps every unary call of the clients it is an option of.
-type recorder struct {
-	mu    sync.Mutex
-	calls []call
-}
-
-func (r *recorder) option() attnserve.Option {
-	return attnserve.WithDialOptions(grpc.WithUnaryInterceptor(func(ctx context.Context, method string,
-		req, reply interface{}, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		err := invoker(ctx, method, req, reply, cc, opts...)
-		r.mu.Lock()
-		r.calls = append(r.calls, call{path.Base(method), req, reply, err})
-		r.mu.Unlock()
-		return err
-	}))
 }
 
 // attentionCall is what Prefill and Decode requests have in common.
@@ -159,9 +131,9 @@ func TestLoadgenPlan(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var rec recorder
+			var rec attnservetest.Recorder
 			var out bytes.Buffer
-			res, err := loadgen(context.Background(), cfg, &out, rec.option())
+			res, err := loadgen(context.Background(), cfg, &out, rec.Option())
 			t.Logf("loadgen %v:\n%s", args, out.String())
 			if err != nil {
 				t.Fatal(err)
@@ -173,7 +145,7 @@ func TestLoadgenPlan(t *testing.T) {
 				strings.Contains(out.String(), "plan p0:") != tc.plan {
 				t.Fatalf("the summary does not say whether the calls named plans:\n%s", out.String())
 			}
-			checkPlanCalls(t, rec.calls, tc.op, tc.transport, tc.plan, clients, batch, tokens, 16, res.Calls)
+			checkPlanCalls(t, rec.Calls(), tc.op, tc.transport, tc.plan, clients, batch, tokens, 16, res.Calls)
 
 			// The plans were released: FreePages took every page back.
 			c, err := attnserve.Dial(srv.Address)
@@ -191,19 +163,19 @@ func TestLoadgenPlan(t *testing.T) {
 
 // checkPlanCalls checks the calls of a run of clients x batch sequences of that many tokens in
 // pages of pageSize that measured that many calls.
-func checkPlanCalls(t *testing.T, calls []call, op, transport string, plan bool, clients, batch, tokens,
+func checkPlanCalls(t *testing.T, calls []attnservetest.Call, op, transport string, plan bool, clients, batch, tokens,
 	pageSize, measured int) {
 	t.Helper()
 	method := map[string]string{"decode": "Decode", "prefill": "Prefill"}[op]
 	created, released := map[string]bool{}, map[string]bool{}
 	lastCreate, firstRelease := -1, len(calls)
 	for i, c := range calls {
-		if c.err != nil {
-			t.Fatalf("call %d, %s, failed: %v", i, c.method, c.err)
+		if c.Err != nil {
+			t.Fatalf("call %d, %s, failed: %v", i, c.Method, c.Err)
 		}
-		switch c.method {
+		switch c.Method {
 		case "CreatePlan":
-			q, r := c.req.(*pb.CreatePlanRequest), c.reply.(*pb.CreatePlanResponse)
+			q, r := c.Req.(*pb.CreatePlanRequest), c.Reply.(*pb.CreatePlanResponse)
 			if q.Prefill != (op == "prefill") || len(q.KvIndptr) != batch+1 ||
 				r.Batch != int32(batch) || int(r.NumPages) != batch*((tokens+pageSize-1)/pageSize) {
 				t.Fatalf("CreatePlan %v answered %v", q, r)
@@ -213,7 +185,7 @@ func checkPlanCalls(t *testing.T, calls []call, op, transport string, plan bool,
 			}
 			created[q.Name], lastCreate = true, i
 		case "ReleasePlan":
-			q := c.req.(*pb.ReleasePlanRequest)
+			q := c.Req.(*pb.ReleasePlanRequest)
 			if !created[q.Name] || released[q.Name] {
 				t.Fatalf("ReleasePlan %s: created %v, released before %v", q.Name, created[q.Name], released[q.Name])
 			}
@@ -249,18 +221,18 @@ func checkPlanCalls(t *testing.T, calls []call, op, transport string, plan bool,
 	if !plan {
 		start = 0
 		for i, c := range calls {
-			if q, ok := c.req.(*pb.PrefillRequest); ok && q.KNew != nil { // a fill
+			if q, ok := c.Req.(*pb.PrefillRequest); ok && q.KNew != nil { // a fill
 				start = i + 1
 			}
 		}
 	}
 	named, looped := map[string]bool{}, 0
 	for _, c := range calls[start:firstRelease] {
-		if c.method != method {
+		if c.Method != method {
 			continue
 		}
 		looped++
-		q := c.req.(attentionCall)
+		q := c.Req.(attentionCall)
 		if q.GetKNew() != nil {
 			t.Fatalf("a measured call appends K/V: the table would not stay fixed")
 		}

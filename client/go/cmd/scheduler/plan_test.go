@@ -7,14 +7,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"path"
 	"reflect"
 	"strings"
-	"sync"
 	"testing"
 	"time"
-
-	"google.golang.org/grpc"
 
 	"attnserve/client/go/attnserve"
 	"attnserve/client/go/attnservetest"
@@ -47,30 +43,6 @@ func TestParsePlanFlag(t *testing.T) {
 	if code := run([]string{"--plan", "--chunk=0"}, io.Discard, io.Discard); code != 2 {
 		t.Errorf("--plan with a bad flag: exit %d", code)
 	}
-}
-
-// call is one unary call a client made, as sent and as answered.
-type call struct {
-	method     string // "Decode", "CreatePlan", ...
-	req, reply interface{}
-	err        error
-}
-
-// recorder keeps every unary call of the clients it is an option of.
-type recorder struct {
-	mu    sync.Mutex
-	calls []call
-}
-
-func (r *recorder) option() attnserve.Option {
-	return attnserve.WithDialOptions(grpc.WithUnaryInterceptor(func(ctx context.Context, method string,
-		req, reply interface{}, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		err := invoker(ctx, method, req, reply, cc, opts...)
-		r.mu.Lock()
-		r.calls = append(r.calls, call{path.Base(method), req, reply, err})
-		r.mu.Unlock()
-		return err
-	}))
 }
 
 // attentionCall is what Prefill and Decode requests have in common.
@@ -112,9 +84,9 @@ data_plane { shared_memory: true max_regions_per_session: 8 max_region_bytes_per
 			if err != nil {
 				t.Fatal(err)
 			}
-			var rec recorder
+			var rec attnservetest.Recorder
 			c, err := attnserve.Dial(cfg.address, attnserve.WithTimeout(60*time.Second),
-				attnserve.WithTransport(cfg.transport), rec.option())
+				attnserve.WithTransport(cfg.transport), rec.Option())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -129,7 +101,7 @@ data_plane { shared_memory: true max_regions_per_session: 8 max_region_bytes_per
 			if err != nil {
 				t.Fatal(err)
 			}
-			steps := checkSchedulerPlans(t, rec.calls, cfg, pool.NumLayers)
+			steps := checkSchedulerPlans(t, rec.Calls(), cfg, pool.NumLayers)
 			if summary := fmt.Sprintf("plans    %d created", steps); strings.Contains(out.String(), summary) != cfg.plan {
 				t.Fatalf("the summary should say %q under --plan only", summary)
 			}
@@ -142,18 +114,18 @@ data_plane { shared_memory: true max_regions_per_session: 8 max_region_bytes_per
 
 // checkSchedulerPlans checks the run's calls and returns its steps (prefill rounds and decode
 // steps).
-func checkSchedulerPlans(t *testing.T, calls []call, cfg config, layers int) int {
+func checkSchedulerPlans(t *testing.T, calls []attnservetest.Call, cfg config, layers int) int {
 	t.Helper()
 	var plan *pb.CreatePlanRequest // the current step's
 	var decodeTables [][]int32     // kv_last_page_len of each decode step's plan
 	steps, layer, releases, freed, unplanned := 0, layers, 0, false, 0
 	for i, c := range calls {
-		if c.err != nil {
-			t.Fatalf("call %d, %s, failed: %v", i, c.method, c.err)
+		if c.Err != nil {
+			t.Fatalf("call %d, %s, failed: %v", i, c.Method, c.Err)
 		}
-		switch c.method {
+		switch c.Method {
 		case "CreatePlan":
-			q := c.req.(*pb.CreatePlanRequest)
+			q := c.Req.(*pb.CreatePlanRequest)
 			switch {
 			case !cfg.plan:
 				t.Fatalf("a plan without --plan: %v", q)
@@ -174,16 +146,16 @@ func checkSchedulerPlans(t *testing.T, calls []call, cfg config, layers int) int
 			plan, layer = q, 0
 			steps++
 		case "Prefill", "Decode":
-			q := c.req.(attentionCall)
+			q := c.Req.(attentionCall)
 			if !cfg.plan {
 				if q.GetPlan() != "" || !carriesTable(q) {
-					t.Fatalf("%s without --plan: plan %q, carries a table %v", c.method, q.GetPlan(), carriesTable(q))
+					t.Fatalf("%s without --plan: plan %q, carries a table %v", c.Method, q.GetPlan(), carriesTable(q))
 				}
 				unplanned++
 				continue
 			}
-			if plan == nil || q.GetPlan() != plan.Name || carriesTable(q) || plan.Prefill != (c.method == "Prefill") {
-				t.Fatalf("call %d, %s: plan %q, carries a table %v; the step's plan %v", i, c.method,
+			if plan == nil || q.GetPlan() != plan.Name || carriesTable(q) || plan.Prefill != (c.Method == "Prefill") {
+				t.Fatalf("call %d, %s: plan %q, carries a table %v; the step's plan %v", i, c.Method,
 					q.GetPlan(), carriesTable(q), plan)
 			}
 			if layer++; layer > layers {
@@ -191,7 +163,7 @@ func checkSchedulerPlans(t *testing.T, calls []call, cfg config, layers int) int
 			}
 		case "ReleasePlan":
 			releases++
-			if q := c.req.(*pb.ReleasePlanRequest); q.Name != attnserve.DefaultPlanName || layer != layers {
+			if q := c.Req.(*pb.ReleasePlanRequest); q.Name != attnserve.DefaultPlanName || layer != layers {
 				t.Fatalf("call %d releases %q after %d of the step's %d layers", i, q.Name, layer, layers)
 			}
 		case "FreePages":
