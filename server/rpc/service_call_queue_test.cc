@@ -223,7 +223,9 @@ class CallQueueServiceTest : public ::testing::Test {
   int QueueDecode(CallQueueClient& q, const v1::DecodeRequest& req,
                   v1::AttentionResponse* resp = nullptr) {
     CallQueueClient::Answer a = q.Call(cq::kDecode, req.SerializeAsString());
-    if (a.code == 0 && resp != nullptr) EXPECT_TRUE(resp->ParseFromString(a.bytes));
+    if (a.code == 0 && resp != nullptr) {
+      EXPECT_TRUE(resp->ParseFromString(a.bytes));
+    }
     if (a.code != 0) last_message_ = a.bytes;
     return a.code;
   }

@@ -51,6 +51,7 @@ REQUEST_BYTES = 256 << 10
 RESPONSE_BYTES = 64 << 10
 SPIN_S = 50e-6  # polling before the first sleep
 SLICE_S = 1e-3  # longest sleep between looks at the slot
+SLOT_WAIT_S = 0.1  # longest wait for a free slot between looks at `closed`
 SHAPES = 16  # call shapes whose times a queue keeps
 PREDICT = True  # queues sleep through the expected time of long calls (CallQueue's predict)
 
@@ -178,12 +179,15 @@ class CallQueue:
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._have_slot:
             while not self._free:
-                if self.server_closed:
+                # Under the lock, so that close() has not released the segment meanwhile.
+                if self.closed_here or self.server_closed:
                     raise QueueClosed("the server closed the call queue")
-                if not self._have_slot.wait(
-                    None if give_up is None else give_up - time.monotonic()
-                ):
+                left = None if give_up is None else give_up - time.monotonic()
+                if left is not None and left <= 0:
                     raise TimeoutError("no free call-queue slot before the timeout")
+                # Slots whose calls end in QueueClosed or TimeoutError never come back, so no
+                # one may wake this wait: it looks at `closed` again after a while.
+                self._have_slot.wait(SLOT_WAIT_S if left is None else min(left, SLOT_WAIT_S))
             i = self._free.pop()
         base = SLOTS_AT + i * self.stride
         try:
@@ -199,7 +203,11 @@ class CallQueue:
             answer = self._await(base, give_up, expected)
             if answer[0] == 0:
                 self.call_times.record(method, len(request), time.monotonic() - published)
-        except (TimeoutError, QueueClosed):
+        except QueueClosed:
+            with self._have_slot:
+                self._have_slot.notify_all()  # callers waiting for a slot: none will come back
+            raise  # the slot stays out of use: the server may still answer into it
+        except TimeoutError:
             raise  # the slot stays out of use: the server may still answer into it
         with self._have_slot:
             self._free.append(i)
@@ -271,16 +279,17 @@ class CallQueue:
                       ctypes.c_uint(expected), ctypes.byref(ts), None, 0)  # fmt: skip
 
     def close(self) -> None:
-        if self.closed_here:
-            return
-        self.closed_here = True
-        self._unlink()
-        self._words.release()
-        self._buf.release()
-        try:
-            self._map.close()
-        except BufferError:
-            pass
+        with self._lock:  # callers waiting for a slot read the segment under it
+            if self.closed_here:
+                return
+            self.closed_here = True
+            self._unlink()
+            self._words.release()
+            self._buf.release()
+            try:
+                self._map.close()
+            except BufferError:
+                pass
 
     def _unlink(self) -> None:
         if self._linked:

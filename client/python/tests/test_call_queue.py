@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import threading
+import time
 
 import pytest
 
@@ -98,5 +99,55 @@ def test_an_answer_before_the_expected_time_wakes_the_caller(predict: bool) -> N
         assert (status, data) == (0, b"ok")
         # The answered call's time went into its shape's average.
         assert 0 < queue.call_times.expected(cq.DECODE, len(request)) < 600.0
+    finally:
+        queue.close()
+
+
+class _SeenWaiting(threading.Condition):
+    """A queue's slot condition that says when a caller starts waiting on it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__(lock)
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_a_caller_waiting_for_a_slot_sees_the_queue_close() -> None:
+    """The server closes the queue after its last pass over the slots: the call in the only slot,
+    still submitted, is never answered and fails as QueueClosed, and its slot never comes back.
+    A call waiting for a free slot must see `closed` too, or it waits forever."""
+    queue = cq.CallQueue(slots=1, request_bytes=256, response_bytes=256, predict=False)
+    queue._have_slot = _SeenWaiting(queue._lock)
+    raised: dict[str, Exception | None] = {}
+
+    def call(name: str) -> None:
+        try:
+            queue.call(cq.DECODE, b"request", timeout=None)
+            raised[name] = None
+        except Exception as e:
+            raised[name] = e
+
+    try:
+        holder = threading.Thread(target=call, args=("holder",), daemon=True)
+        holder.start()
+        while queue._word(cq.SLOTS_AT + cq.STATE) != cq.SUBMITTED:
+            time.sleep(1e-4)
+        waiter = threading.Thread(target=call, args=("waiter",), daemon=True)
+        waiter.start()
+        assert queue._have_slot.waiting.wait(10)
+        queue._set(cq.CLOSED, 1)  # the server stopped; nobody takes or answers the slot
+        holder.join(10)
+        waiter.join(10)
+        assert not holder.is_alive() and not waiter.is_alive(), "a call waits on a closed queue"
+        assert isinstance(raised["holder"], cq.QueueClosed), raised["holder"]
+        assert isinstance(raised["waiter"], cq.QueueClosed), raised["waiter"]
+        # The client closes a queue the server closed (Client._queue_call): a call still waiting
+        # for a slot then fails the same way rather than read the released segment.
+        queue.close()
+        with pytest.raises(cq.QueueClosed):
+            queue.call(cq.DECODE, b"request", timeout=None)
     finally:
         queue.close()

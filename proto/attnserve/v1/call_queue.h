@@ -8,12 +8,14 @@
 //   [64, 68)   doorbell        u32  futex word the server sleeps on; a caller adds 1 after each
 //                                   publish and wakes it when `server_sleeping` is set
 //   [68, 72)   server_sleeping u32  1 while the server thread sleeps (or is about to)
-//   [72, 76)   closed          u32  set by the server once it stopped serving the queue
+//   [72, 76)   closed          u32  set by the server once it stopped serving the queue; a
+//                                   caller waiting for an answer must watch it ("Closing")
 //   [128, ...) slots, each SlotStride() bytes: a 64-byte slot header, the request area, the
 //              response area
 // Slot header:
 //   0  state          u32  kFree -> (caller) kSubmitted -> (server) kTaken -> (server) kDone ->
-//                          (caller, once it read the answer) kFree. Futex word of the answer.
+//                          (caller, once it read the answer) kFree; or kSubmitted -> (caller,
+//                          once `closed` is set: "Closing") kFree. Futex word of the answer.
 //   4  client_waiting u32  1 while the caller sleeps on `state` (the server wakes it then)
 //   8  method         u32  kDecode or kPrefill
 //   12 request_len    u32  bytes of the serialized request in the request area
@@ -32,6 +34,23 @@
 // stores kDone, reads client_waiting; a caller sets client_waiting, then reads state again
 // before it sleeps on the value it saw. States other than these are ignored by the server
 // (values >= kClientPrivate are the caller's own, e.g. a slot being written).
+//
+// Closing: the server stops serving a queue when it is unregistered, when its session ends and
+// at shutdown. It stores `closed` (sequentially consistent), answers the slots that wait (its
+// last pass comes after every call it took was answered), wakes each slot's sleepers once and
+// lets the segment go. A call published after that last pass is never taken nor answered, and
+// nothing wakes its caller again: a caller that only waits for its slot's state to change waits
+// forever. So a caller waiting for an answer must also watch `closed`: it reads `closed` after
+// it publishes and again each time before it sleeps on `state` (after it set client_waiting and
+// read `state`). In the single total order either the server's last pass read the slot after
+// the publish, and the answer comes as usual, or `closed` was stored before the publish, and the
+// caller sees it. Once `closed` is set and its slot still holds kSubmitted, the call will not
+// run: the caller fails it as UNAVAILABLE. A caller that takes the slot back does so with a
+// compare-and-swap kSubmitted -> kFree, which fails only when the server's last pass took the
+// call (its answer then comes). A slot in kTaken is still answered. A caller waiting for a free
+// slot (all of its slots busy) must watch `closed` as well. Every sleep should have a time
+// limit: a segment the server can no longer read (truncated) gets neither answers nor `closed`,
+// and only the call's own timeout ends the wait.
 #pragma once
 
 #include <linux/futex.h>

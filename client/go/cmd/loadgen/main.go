@@ -18,7 +18,8 @@
 // whole run and is planned once, never again (as attn_loadgen --plan does). The plans are
 // released at the end, before the pages are freed.
 //
-// Exit status: 0 when the run completed with at least one successful call, 1 otherwise.
+// Exit status: 0 when the run completed with at least one successful call and gave back every
+// plan and page it took, 1 otherwise (a failed cleanup leaves them held on the server).
 package main
 
 import (
@@ -141,7 +142,9 @@ func percentiles(ds []time.Duration) Percentiles {
 		Mean: stats.Us(stats.Mean(ds))}
 }
 
-func run(args []string, stdout, stderr io.Writer) int {
+// run is main without the exit; extra options go to every client (the tests inject failures
+// through them).
+func run(args []string, stdout, stderr io.Writer, extra ...attnserve.Option) int {
 	cfg, err := parseFlags(args, stderr)
 	if err != nil {
 		if !errors.Is(err, flag.ErrHelp) {
@@ -149,7 +152,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 		return 1
 	}
-	res, err := loadgen(context.Background(), cfg, stdout)
+	res, err := loadgen(context.Background(), cfg, stdout, extra...)
 	if err != nil {
 		fmt.Fprintln(stderr, "loadgen:", err)
 		return 1
@@ -196,8 +199,9 @@ type worker struct {
 }
 
 // loadgen runs the load; extra options go to every client after the flags' (the tests watch
-// the calls through them).
-func loadgen(ctx context.Context, cfg config, out io.Writer, extra ...attnserve.Option) (*Result, error) {
+// the calls through them). Plans and pages are given back at the end, also after a failure; a
+// run whose cleanup fails is an error too.
+func loadgen(ctx context.Context, cfg config, out io.Writer, extra ...attnserve.Option) (res *Result, err error) {
 	var retries int64
 	policy := attnserve.DefaultRetryPolicy()
 	policy.OnRetry = func(attnserve.RetryEvent) { atomic.AddInt64(&retries, 1) }
@@ -231,19 +235,11 @@ func loadgen(ctx context.Context, cfg config, out io.Writer, extra ...attnserve.
 
 	workers := make([]*worker, cfg.clients)
 	defer func() {
-		for _, w := range workers {
-			if w == nil {
-				continue
-			}
-			// A plan pins its pages: FreePages refuses them until it is released.
-			if err := w.releasePlan(context.Background()); err != nil {
-				fmt.Fprintln(out, "releasing the plan:", err)
-			}
-			if err := w.table.FreeAll(context.Background()); err != nil {
-				fmt.Fprintln(out, "freeing pages:", err)
-			}
-			if w.client != first {
-				w.client.Close()
+		if cleanupErr := cleanUp(workers, first); cleanupErr != nil {
+			if err == nil {
+				res, err = nil, cleanupErr
+			} else {
+				err = fmt.Errorf("%w; %v", err, cleanupErr)
 			}
 		}
 	}()
@@ -286,7 +282,7 @@ func loadgen(ctx context.Context, cfg config, out io.Writer, extra ...attnserve.
 		}
 	}
 
-	res := &Result{Op: cfg.op, Transport: string(cfg.transport), Clients: cfg.clients, Batch: cfg.batch, Context: cfg.context,
+	res = &Result{Op: cfg.op, Transport: string(cfg.transport), Clients: cfg.clients, Batch: cfg.batch, Context: cfg.context,
 		Plan: cfg.plan, Seconds: cfg.duration.Seconds(), Errors: map[string]int{}, Retries: atomic.LoadInt64(&retries)}
 	if cfg.op == "prefill" {
 		res.PrefillTokens = cfg.prefillTokens
@@ -317,6 +313,33 @@ func loadgen(ctx context.Context, cfg config, out io.Writer, extra ...attnserve.
 		percentiles(client), percentiles(queue), percentiles(compute), percentiles(total)
 	report(out, cfg, res)
 	return res, nil
+}
+
+// cleanUp releases every worker's plan, frees its pages and closes its connection (but
+// first's), going on past failures. The error names each plan or page table that could not be
+// given back.
+func cleanUp(workers []*worker, first *attnserve.Client) error {
+	var failed []string
+	for i, w := range workers {
+		if w == nil {
+			continue
+		}
+		// A plan pins its pages: FreePages refuses them until it is released.
+		if err := w.releasePlan(context.Background()); err != nil {
+			failed = append(failed, fmt.Sprintf("client %d: releasing the plan: %v", i, err))
+		}
+		if err := w.table.FreeAll(context.Background()); err != nil {
+			failed = append(failed, fmt.Sprintf("client %d: freeing pages: %v", i, err))
+		}
+		if w.client != first {
+			w.client.Close()
+		}
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("cleanup failed, plans or pages may be left on the server: %s",
+			strings.Join(failed, "; "))
+	}
+	return nil
 }
 
 // setup allocates the worker's sequences, fills their K/V on layer 0 and builds the request it

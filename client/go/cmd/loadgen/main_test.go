@@ -2,12 +2,19 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"attnserve/client/go/attnserve"
 	"attnserve/client/go/attnservetest"
 )
 
@@ -51,5 +58,41 @@ func TestLoadgenRuns(t *testing.T) {
 	if code := run([]string{"--address=" + srv.Address, "--context=5000", "--batch=1", "--clients=1"}, &out, &errOut); code != 1 ||
 		!strings.Contains(errOut.String(), "need 313 pages") {
 		t.Fatalf("over-capacity run exited %d: %s", code, errOut.String())
+	}
+}
+
+// failing makes every call of the method fail with FAILED_PRECONDITION (not retried) before it
+// reaches the server.
+func failing(method string) attnserve.Option {
+	return attnserve.WithDialOptions(grpc.WithUnaryInterceptor(func(ctx context.Context, m string,
+		req, reply interface{}, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if path.Base(m) == method {
+			return status.Error(codes.FailedPrecondition, "injected "+method+" failure")
+		}
+		return invoker(ctx, m, req, reply, cc, opts...)
+	}))
+}
+
+// A run whose pages cannot be freed at the end leaves them held on the server: it fails, saying
+// why on stderr, even though its calls went through.
+func TestLoadgenFailedCleanupFails(t *testing.T) {
+	srv := attnservetest.StartT(t, `pools { name: "gqa" kind: POOL_KIND_GQA num_layers: 2
+		page_size: 16 num_qo_heads: 8 num_kv_heads: 2 head_dim: 64 num_pages: 256 }`)
+	args := []string{"--address=" + srv.Address, "--clients=2", "--batch=1", "--context=40",
+		"--duration=50ms", "--warmup=0s"}
+	var out, errOut bytes.Buffer
+	code := run(args, &out, &errOut, failing("FreePages"))
+	t.Logf("loadgen %v:\n%s%s", args, out.String(), errOut.String())
+	if !strings.Contains(out.String(), "throughput") {
+		t.Fatalf("the run itself did not complete")
+	}
+	if code == 0 {
+		t.Fatalf("loadgen exited 0 although its pages were not freed")
+	}
+	for _, want := range []string{"cleanup failed", "client 0: freeing pages", "client 1: freeing pages",
+		"injected FreePages failure"} {
+		if !strings.Contains(errOut.String(), want) {
+			t.Fatalf("stderr does not say %q: %s", want, errOut.String())
+		}
 	}
 }
