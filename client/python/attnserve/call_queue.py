@@ -14,7 +14,9 @@ atomic step (one syscall per call, rather than only when the server announced th
 plain read-add-write could lose the server's own increment and let it sleep through the call).
 It sleeps on its own slot in bounded slices, so a wake-up missed for want of a memory fence costs
 a slice, never a hang.
-Slots are handed out under a lock: concurrent calls of one client take different slots.
+Slots are handed out under a lock: concurrent calls of one client take different slots. The
+segment stays mapped while any call is inside the queue: close() marks the queue closed and the
+last call out unmaps it (the calls still in it see `closed`, or their answers, as usual).
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ class CallQueue:
         self._free = list(range(slots))
         self._lock = threading.Lock()
         self._have_slot = threading.Condition(self._lock)
-        self.closed_here = False
+        self._users = 0  # calls holding a slot, which use the segment; guarded by _lock
+        self.closed_here = False  # guarded by _lock; the segment is unmapped once no call uses it
 
     def register_request(self, session: str = "") -> pb.RegisterRegionRequest:
         return pb.RegisterRegionRequest(
@@ -177,19 +180,9 @@ class CallQueue:
             raise ValueError(f"the request ({len(request)} bytes) does not fit a slot of "
                              f"{self.request_bytes}")  # fmt: skip
         give_up = None if timeout is None else time.monotonic() + timeout
-        with self._have_slot:
-            while not self._free:
-                # Under the lock, so that close() has not released the segment meanwhile.
-                if self.closed_here or self.server_closed:
-                    raise QueueClosed("the server closed the call queue")
-                left = None if give_up is None else give_up - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("no free call-queue slot before the timeout")
-                # Slots whose calls end in QueueClosed or TimeoutError never come back, so no
-                # one may wake this wait: it looks at `closed` again after a while.
-                self._have_slot.wait(SLOT_WAIT_S if left is None else min(left, SLOT_WAIT_S))
-            i = self._free.pop()
+        i = self._take_slot(give_up)
         base = SLOTS_AT + i * self.stride
+        answer = None
         try:
             self._buf[base + SLOT_HEADER : base + SLOT_HEADER + len(request)] = request
             timeout_us = 0 if timeout is None else max(1, int(timeout * 1e6))
@@ -203,16 +196,43 @@ class CallQueue:
             answer = self._await(base, give_up, expected)
             if answer[0] == 0:
                 self.call_times.record(method, len(request), time.monotonic() - published)
-        except QueueClosed:
-            with self._have_slot:
-                self._have_slot.notify_all()  # callers waiting for a slot: none will come back
-            raise  # the slot stays out of use: the server may still answer into it
-        except TimeoutError:
-            raise  # the slot stays out of use: the server may still answer into it
-        with self._have_slot:
-            self._free.append(i)
-            self._have_slot.notify()
+        finally:
+            # A call that got no answer (QueueClosed, TimeoutError) keeps its slot out of use:
+            # the server may still answer into it.
+            self._let_go(None if answer is None else i)
         return answer
+
+    def _take_slot(self, give_up: float | None) -> int:
+        """A free slot, counted as a use of the segment until _let_go; QueueClosed once the
+        queue is closed (by the server or by close()), TimeoutError past give_up."""
+        with self._have_slot:
+            while True:
+                # Under the lock, so that close() has not released the segment meanwhile.
+                if self.closed_here or self.server_closed:
+                    raise QueueClosed("the call queue is closed")
+                if self._free:
+                    break
+                left = None if give_up is None else give_up - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("no free call-queue slot before the timeout")
+                # Slots whose calls end in QueueClosed or TimeoutError never come back, so no
+                # one may wake this wait: it looks at `closed` again after a while.
+                self._have_slot.wait(SLOT_WAIT_S if left is None else min(left, SLOT_WAIT_S))
+            self._users += 1
+            return self._free.pop()
+
+    def _let_go(self, slot: int | None) -> None:
+        """Ends a use of the segment, giving the slot back unless it is None; the last use of a
+        closed queue unmaps the segment."""
+        with self._have_slot:
+            self._users -= 1
+            if slot is not None:
+                self._free.append(slot)
+                self._have_slot.notify()
+            else:  # callers waiting for a slot: this one will not come back, look at `closed`
+                self._have_slot.notify_all()
+            if self.closed_here and self._users == 0:
+                self._release()
 
     def _await(self, base: int, give_up: float | None, expected: float) -> tuple[int, bytes, int]:
         start = time.monotonic()
@@ -279,17 +299,27 @@ class CallQueue:
                       ctypes.c_uint(expected), ctypes.byref(ts), None, 0)  # fmt: skip
 
     def close(self) -> None:
-        with self._lock:  # callers waiting for a slot read the segment under it
+        """Closes the queue: later calls, and those waiting for a slot, fail as QueueClosed. Calls
+        already inside keep the segment mapped until they are out: a published call still waits
+        for the server (which may take it until it sets `closed`: the client closes a queue after
+        UnregisterRegion, or once the server closed it), and the last one out unmaps it."""
+        with self._have_slot:
             if self.closed_here:
                 return
             self.closed_here = True
             self._unlink()
-            self._words.release()
-            self._buf.release()
-            try:
-                self._map.close()
-            except BufferError:
-                pass
+            self._have_slot.notify_all()  # callers waiting for a slot: QueueClosed now
+            if self._users == 0:
+                self._release()
+
+    def _release(self) -> None:
+        """Unmaps the segment; under the lock, once closed and no call uses it."""
+        self._words.release()
+        self._buf.release()
+        try:
+            self._map.close()
+        except BufferError:
+            pass
 
     def _unlink(self) -> None:
         if self._linked:

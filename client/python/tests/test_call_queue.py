@@ -115,28 +115,33 @@ class _SeenWaiting(threading.Condition):
         return super().wait(timeout)
 
 
+def start_call(queue: cq.CallQueue, outcome: dict[str, object], name: str) -> threading.Thread:
+    """One call without a timeout on a thread of its own; outcome[name]: its answer, or what it
+    raised."""
+
+    def call() -> None:
+        try:
+            outcome[name] = queue.call(cq.DECODE, b"request", timeout=None)
+        except Exception as e:
+            outcome[name] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_a_caller_waiting_for_a_slot_sees_the_queue_close() -> None:
     """The server closes the queue after its last pass over the slots: the call in the only slot,
     still submitted, is never answered and fails as QueueClosed, and its slot never comes back.
     A call waiting for a free slot must see `closed` too, or it waits forever."""
     queue = cq.CallQueue(slots=1, request_bytes=256, response_bytes=256, predict=False)
     queue._have_slot = _SeenWaiting(queue._lock)
-    raised: dict[str, Exception | None] = {}
-
-    def call(name: str) -> None:
-        try:
-            queue.call(cq.DECODE, b"request", timeout=None)
-            raised[name] = None
-        except Exception as e:
-            raised[name] = e
-
+    raised: dict[str, object] = {}
     try:
-        holder = threading.Thread(target=call, args=("holder",), daemon=True)
-        holder.start()
+        holder = start_call(queue, raised, "holder")
         while queue._word(cq.SLOTS_AT + cq.STATE) != cq.SUBMITTED:
             time.sleep(1e-4)
-        waiter = threading.Thread(target=call, args=("waiter",), daemon=True)
-        waiter.start()
+        waiter = start_call(queue, raised, "waiter")
         assert queue._have_slot.waiting.wait(10)
         queue._set(cq.CLOSED, 1)  # the server stopped; nobody takes or answers the slot
         holder.join(10)
@@ -150,4 +155,59 @@ def test_a_caller_waiting_for_a_slot_sees_the_queue_close() -> None:
         with pytest.raises(cq.QueueClosed):
             queue.call(cq.DECODE, b"request", timeout=None)
     finally:
+        queue.close()
+
+
+def park_in_sleep(queue: cq.CallQueue) -> tuple[threading.Event, threading.Event]:
+    """Replaces the queue's futex sleep: the first caller to sleep on its slot sets `parked` and
+    stays there, touching nothing, until `release` is set (its later sleeps return at once). It is
+    then inside the queue, past its publish and before it looks at its slot again."""
+    parked, release = threading.Event(), threading.Event()
+
+    def sleep(offset: int, expected: int, seconds: float) -> None:
+        parked.set()
+        release.wait(10)
+
+    queue._sleep = sleep
+    return parked, release
+
+
+@pytest.mark.parametrize("server", ["closed", "answers"])
+def test_a_call_inside_the_queue_when_the_client_closes_it(server: str) -> None:
+    """The client closes the queue while a call sleeps in its slot, past its publish. The segment
+    stays mapped until the call is out, which ends as it would have without the close:
+    - closed: the server closed the queue with the call still submitted; another call saw it and
+      the client closed the queue (Client._queue_call). The call must still read its slot, see
+      `closed` and fail as QueueClosed (the client then goes over gRPC), not find the segment
+      released under it (a ValueError).
+    - answers: the client closed it after UnregisterRegion. The server stops the queue on its own
+      thread and may take the call until it sets `closed`: the call waits for it as usual and
+      reads its answer.
+    The last call out releases the segment; a later call fails as QueueClosed."""
+    queue = cq.CallQueue(slots=1, request_bytes=256, response_bytes=256, predict=False)
+    parked, release = park_in_sleep(queue)
+    outcome: dict[str, object] = {}
+    try:
+        caller = start_call(queue, outcome, "call")
+        assert parked.wait(10)
+        if server == "closed":
+            queue._set(cq.CLOSED, 1)  # nobody takes or answers the slot
+        queue.close()
+        mapped_while_used = not queue._map.closed
+        if server == "answers":
+            assert mapped_while_used, "close() released the segment under a call still in it"
+            answer_once_the_caller_sleeps(queue, b"ok")
+        release.set()
+        caller.join(10)
+        assert not caller.is_alive(), "the call still waits"
+        if server == "closed":
+            assert isinstance(outcome["call"], cq.QueueClosed), repr(outcome["call"])
+        else:
+            assert outcome["call"] == (0, b"ok", 0), repr(outcome["call"])
+        assert mapped_while_used, "close() released the segment under a call still in it"
+        assert queue._map.closed, "the last call out of a closed queue releases the segment"
+        with pytest.raises(cq.QueueClosed):  # its slot free again after an answer, or not
+            queue.call(cq.DECODE, b"request", timeout=None)
+    finally:
+        release.set()
         queue.close()
