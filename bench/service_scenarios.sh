@@ -134,6 +134,25 @@ python_load python_queue_prepared_plan_shm_decode_b64_nopredict --batch=64 --tra
   --prepared --plan --no_predict
 stop_server
 
+# Decode outputs in shared memory written by the kernels themselves against copied after them
+# (cuda_direct_output_min_bytes: 1 = every decode's, 0 = none; the default writes those of 1 MiB
+# and more; a prefill's are always copied), the same calls in both.
+if [ "$backend" = cuda ]; then
+  for mode in direct:1 copied:0; do
+    rm -f "$sock"
+    start_server --listen_address="unix:$sock" --cuda_direct_output_min_bytes="${mode#*:}"
+    address="unix:$sock"
+    m=${mode%%:*}
+    load "transport_${m}_queue_shm_plan_decode_b64" --clients=1 --batch=64 --transport=shm \
+      --call_queue --plan
+    load "transport_${m}_queue_shm_plan_decode_b256" --clients=1 --batch=256 --transport=shm \
+      --call_queue --plan
+    load "transport_${m}_queue_shm_floor_b1" --clients=1 --batch=1 --context=16 --transport=shm \
+      --call_queue
+    stop_server
+  done
+fi
+
 if [ "$backend" = cuda ] && [ -z "$only" ]; then
   start_server --cuda_single_stream
   load decode_b64_beside_prefill_one_stream --clients=1 --batch=64 --background_prefill_tokens=8192

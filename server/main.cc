@@ -81,6 +81,9 @@ ABSL_FLAG(int, call_queue_spin_us, -1,
           "microseconds (default 100 with 8 or more cores, else 0; data_plane.call_queue_spin_us)");
 ABSL_FLAG(bool, cuda_single_stream, false,
           "Run prefill and decode on one CUDA stream (for comparisons; default: a stream each)");
+ABSL_FLAG(int64_t, cuda_direct_output_min_bytes, -1,
+          "A one-call decode whose output goes to a shared-memory region of at least this many "
+          "bytes has the kernels write it there (0: never; default 1 MiB)");
 
 namespace attn {
 namespace {
@@ -129,6 +132,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.health_port = Given(FLAGS_health_port);
   o.call_queue_spin_us = Given(FLAGS_call_queue_spin_us);
   if (absl::GetFlag(FLAGS_cuda_single_stream)) o.cuda_single_stream = true;
+  o.cuda_direct_output_min_bytes = Given(FLAGS_cuda_direct_output_min_bytes);
   absl::StatusOr<ServerOptions> options = ResolveConfig(file ? &*file : nullptr, o);
   if (options.ok()) options->backend.inject_fault = absl::GetFlag(FLAGS_inject_fault);
   return options;

@@ -217,6 +217,13 @@ cudaError_t LaunchPlan::Bind(const void* device_inputs, void* device_outputs, vo
   return cudaSuccess;
 }
 
+void LaunchPlan::WriteOutputsTo(void* out, void* lse) {
+  bf16*& out_ptr = mla_ ? mla_params_.out : gqa_.out;
+  float*& lse_ptr = mla_ ? mla_params_.lse : gqa_.lse;
+  if (out != nullptr) out_ptr = static_cast<bf16*>(out);
+  if (lse != nullptr && lse_) lse_ptr = static_cast<float*>(lse);
+}
+
 cudaError_t LaunchPlan::EnqueueCheck(cudaStream_t stream) const {
   if (checks_.num_calls == 0) return cudaSuccess;
   ATTN_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(checks_.refused, 0, outputs_.refused.bytes, stream));

@@ -134,6 +134,11 @@ class LaunchPlan {
   // cudaErrorInvalidValue when the workspace is smaller than WorkspaceBytes().
   cudaError_t Bind(const void* device_inputs, void* device_outputs, void* workspace,
                    size_t workspace_bytes);
+  // After Bind: the kernels write the output rows to `out` and the lse to `lse` (each when not
+  // null; the lse only when the launch writes it), device-accessible memory laid out as those
+  // sections, instead of the output buffer, whose refused-calls section stays in use. For a
+  // caller that hands the kernels its destination: page-locked host memory mapped for the device.
+  void WriteOutputsTo(void* out, void* lse);
 
   // Enqueued on `stream` after Bind: the append (when the launch appends), then attention and the
   // split-KV merge. The attention alone is what a benchmark times once the cache holds the rows.

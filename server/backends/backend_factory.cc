@@ -16,6 +16,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateDeviceBackend(
   if (options.kind == "cuda" || (options.kind == "auto" && CudaDeviceCount() > 0)) {
     CudaBackendOptions cuda;
     cuda.single_stream = options.cuda_single_stream;
+    cuda.direct_output_min_bytes = options.cuda_direct_output_min_bytes;
     cuda.on_fatal_error = std::move(on_fatal_error);
     return CreateCudaBackend(std::move(cuda));
   }

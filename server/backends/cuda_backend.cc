@@ -157,13 +157,14 @@ struct CudaPool {
 class CudaLane final : public Lane {
  public:
   // `shared_stream`: run on it instead of a stream of the lane's own.
-  CudaLane(const CudaPool& pool, Op op, DeviceState& state, int device, int64_t workspace_bytes,
+  CudaLane(const CudaPool& pool, Op op, DeviceState& state, const CudaBackendOptions& options,
            cudaStream_t shared_stream, cpu::ThreadPool& gather)
       : pool_(pool),
         op_(op),
         state_(state),
-        device_(device),
-        workspace_bytes_(workspace_bytes),
+        device_(options.device),
+        workspace_bytes_(options.workspace_bytes),
+        direct_output_min_bytes_(options.direct_output_min_bytes),
         owns_stream_(shared_stream == nullptr),
         stream_(shared_stream),
         outputs_(/*with_host=*/false),
@@ -274,24 +275,40 @@ class CudaLane final : public Lane {
     const uint32_t* refused = reinterpret_cast<const uint32_t*>(refused_.host());
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(checked_, stream_));
     RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAppend(stream_));
+    const int64_t out_row = w.out * kBf16, lse_row = w.lse * int64_t{sizeof(float)};
+    int64_t bytes_out = 0;
+    DirectOutputs direct;
+    if (WantsDirectOutputs(calls, out_row)) {
+      RETURN_IF_CUDA_ERROR(state_, cudaEventSynchronize(checked_));
+      if (refused[0] == 0) direct = DirectOutputsOf(*calls.front(), out_row, lse_row);
+    }
+    if (direct.out != nullptr || direct.lse != nullptr) {
+      launch_.WriteOutputsTo(direct.out, direct.lse);
+      bytes_out += direct.bytes;
+    }
     RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAttention(stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(stop_, stream_));
 
-    // Outputs: straight into the callers' regions, and the rest in one copy into a pinned buffer
-    // the responses are sent from.
-    const int64_t out_row = w.out * kBf16, lse_row = w.lse * int64_t{sizeof(float)};
+    // Outputs: straight into the callers' regions (copied there, or written there by the kernels
+    // above), and the sections the responses need in one copy into a pinned buffer they are sent
+    // from.
     std::shared_ptr<char> response;
-    int64_t bytes_out = 0;
-    const bool any_response = std::any_of(calls.begin(), calls.end(), [](const AttentionCall* c) {
-      return !c->out.in_region() || (c->return_lse && !c->lse.in_region());
+    const bool response_out = std::any_of(
+        calls.begin(), calls.end(), [](const AttentionCall* c) { return !c->out.in_region(); });
+    const bool response_lse = std::any_of(calls.begin(), calls.end(), [](const AttentionCall* c) {
+      return c->return_lse && !c->lse.in_region();
     });
-    if (any_response) {
+    if (response_out || response_lse) {
       absl::StatusOr<std::shared_ptr<char>> buffer = responses_->Get(out.bytes);
       if (!buffer.ok()) return buffer.status();
       response = *std::move(buffer);
-      RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(response.get(), outputs_.device(), out.bytes,
-                                                   cudaMemcpyDeviceToHost, stream_));
-      bytes_out += static_cast<int64_t>(out.bytes);
+      const size_t begin = response_out ? out.out.offset : out.lse.offset;
+      const size_t end =
+          response_lse ? out.lse.offset + out.lse.bytes : out.out.offset + out.out.bytes;
+      RETURN_IF_CUDA_ERROR(
+          state_, cudaMemcpyAsync(response.get() + begin, outputs_.device() + begin, end - begin,
+                                  cudaMemcpyDeviceToHost, stream_));
+      bytes_out += static_cast<int64_t>(end - begin);
     }
     // A refused call writes nothing into its regions: the region copies are queued once the
     // verdicts are in (before the attention is done, so the wait costs the GPU nothing).
@@ -312,8 +329,10 @@ class CudaLane final : public Lane {
                                                      bytes, cudaMemcpyDefault, stream_));
         return absl::OkStatus();
       };
-      ATTN_RETURN_IF_ERROR(to_region(c.out, out.out.offset, out_row));
-      if (c.return_lse) ATTN_RETURN_IF_ERROR(to_region(c.lse, out.lse.offset, lse_row));
+      if (direct.out == nullptr) ATTN_RETURN_IF_ERROR(to_region(c.out, out.out.offset, out_row));
+      if (c.return_lse && direct.lse == nullptr) {
+        ATTN_RETURN_IF_ERROR(to_region(c.lse, out.lse.offset, lse_row));
+      }
     }
     RETURN_IF_CUDA_ERROR(state_, cudaStreamSynchronize(stream_));
     timer.Next(&stats.execute);
@@ -346,6 +365,51 @@ class CudaLane final : public Lane {
   }
 
  private:
+  // Where the kernels write a launch's outputs themselves (null: the output buffer, copied after
+  // them), and how many bytes that is.
+  struct DirectOutputs {
+    void* out = nullptr;
+    void* lse = nullptr;
+    int64_t bytes = 0;
+  };
+
+  // A decode launch of one call whose output goes to a shared-memory region of at least
+  // direct_output_min_bytes_ has the kernels write it there, over the host link as they finish
+  // rows, instead of a copy of all of it after them (the lse too, when it goes to one). A refused
+  // call writes nothing into its regions, so Run waits for the verdict of the input check before
+  // it queues the attention: a host round trip that the copy it saves must outweigh. Decode only:
+  // its kernels write a row per ~4 MB of cache read, far below what their scattered stores reach
+  // over PCIe, while a prefill writes at up to ~50 GB/s and was slowed 4.6x by it (8192 tokens:
+  // 1.27 -> 5.86 ms; bench/RESULTS.md).
+  bool WantsDirectOutputs(absl::Span<AttentionCall* const> calls, int64_t out_row) const {
+    if (op_ != Op::kDecode || calls.size() != 1 || direct_output_min_bytes_ <= 0) return false;
+    const AttentionCall& c = *calls.front();
+    return c.out.host != nullptr && c.total_q * out_row >= direct_output_min_bytes_;
+  }
+
+  // The device's addresses of the call's shared-memory outputs (WantsDirectOutputs), for a call
+  // the check passed. Registered shared memory is mapped for the device (unified addressing);
+  // should the lookup fail, the copy after the kernels stays.
+  DirectOutputs DirectOutputsOf(const AttentionCall& c, int64_t out_row, int64_t lse_row) {
+    DirectOutputs direct;
+    auto device_address = [](char* host) -> void* {
+      void* device = nullptr;
+      if (cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
+        cudaGetLastError();
+        return nullptr;
+      }
+      return device;
+    };
+    direct.out = device_address(c.out.host);
+    if (direct.out == nullptr) return direct;
+    direct.bytes = c.total_q * out_row;
+    if (c.return_lse && c.lse.host != nullptr) {
+      direct.lse = device_address(c.lse.host);
+      if (direct.lse != nullptr) direct.bytes += c.total_q * lse_row;
+    }
+    return direct;
+  }
+
   // Large staging kept for a stream of large launches (Run's Trim) goes back once the lane is
   // idle, and so do large idle response buffers.
   void ReleaseIdle() override {
@@ -410,6 +474,7 @@ class CudaLane final : public Lane {
   DeviceState& state_;
   const int device_;
   const int64_t workspace_bytes_;
+  const int64_t direct_output_min_bytes_;
   const bool owns_stream_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
@@ -507,8 +572,8 @@ class CudaBackend final : public Backend {
       return absl::InvalidArgumentError(absl::StrCat("no pool number ", pool));
     }
     RETURN_IF_CUDA_ERROR(state_, cudaSetDevice(options_.device));
-    auto lane = std::make_unique<CudaLane>(*pools_[pool], op, state_, options_.device,
-                                           options_.workspace_bytes, shared_stream_, gather_);
+    auto lane =
+        std::make_unique<CudaLane>(*pools_[pool], op, state_, options_, shared_stream_, gather_);
     if (absl::Status st = lane->Init(); !st.ok()) return st;
     return std::unique_ptr<Lane>(std::move(lane));
   }

@@ -24,6 +24,10 @@ struct CudaBackendOptions {
   int64_t workspace_bytes = int64_t{256} << 20;
   // Every lane on one stream (measurement only: decodes then wait behind prefills).
   bool single_stream = false;
+  // A decode launch of one call whose output goes to a shared-memory region of at least this many
+  // bytes has the kernels write it there instead of copying it after them (0: never; a server's
+  // default is BackendOptions').
+  int64_t direct_output_min_bytes = 0;
   // Called once, from a lane's thread, after the first sticky error.
   std::function<void(const absl::Status&)> on_fatal_error;
 };

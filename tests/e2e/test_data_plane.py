@@ -88,6 +88,23 @@ def plane_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlaneServ
         srv.process.wait()
 
 
+@pytest.fixture(scope="module")
+def direct_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlaneServer]:
+    """The same server with every decode's shared-memory output written by the kernels
+    themselves, at any size (--cuda_direct_output_min_bytes=1; the CPU backend has no such path
+    and copies)."""
+    srv = launch(
+        tmp_path_factory.mktemp("direct_outputs"),
+        data_plane_config(),
+        "--cuda_direct_output_min_bytes=1",
+    )
+    try:
+        yield PlaneServer(srv, "")
+    finally:
+        srv.process.kill()
+        srv.process.wait()
+
+
 def cuda_available() -> bool:
     try:
         import torch
@@ -385,25 +402,55 @@ def test_a_prepared_call_runs_every_layer(
             s.close()
 
 
-def test_a_refused_prepared_run_leaves_the_call_usable(plane_server: PlaneServer) -> None:
+@pytest.mark.parametrize("outputs", ["copied", "direct"])
+def test_a_refused_prepared_run_leaves_the_call_usable(
+    plane_server: PlaneServer, direct_server: PlaneServer, outputs: str
+) -> None:
     """A run the server refuses (a NaN in q: INVALID_ARGUMENT, nothing appended) changes nothing
-    of the prepared call: the next run with good numbers goes through."""
+    of the prepared call: its output and lse in shared memory stay as they were, whether the
+    server copies outputs there after the kernels or has the kernels write them there (once the
+    input check passed), and the next run with good numbers goes through."""
     plane_server.require_regions()
-    with Client(plane_server.address, transport="shm", timeout=60.0) as client:
+    server = plane_server if outputs == "copied" else direct_server
+    with Client(server.address, transport="shm", timeout=60.0) as client:
         s = session(client, "gqa", seed=32)
         try:
             s.chunk(["x"], [20])
             csr = s.table.csr(["x"])
-            bits = s.tokens(1)
-            q = bits["q"]
-            with client.prepare("decode", q, csr, pool="gqa", sm_scale=s.default_scale) as call:
+            q = s.tokens(1)["q"]
+            scale = s.default_scale
+            out, lse = s.expected(0, csr, {"q": bf16_to_float(q)}, scale)
+            with client.prepare(
+                "decode", q, csr, pool="gqa", sm_scale=scale, return_lse=True
+            ) as call:
+                call.output[...] = 0x1234
+                call.lse[...] = -7.0
                 call.inputs["q"][...] = 0x7FC0  # bf16 NaN
                 with pytest.raises(AttnError) as err:
                     call.run()
                 assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert (call.output == 0x1234).all() and (call.lse == -7.0).all()
                 call.inputs["q"][...] = q
-                out, lse = s.expected(0, csr, {"q": bf16_to_float(q)}, s.default_scale)
-                check_result(call.run(), out, None)
+                check_result(call.run(), out, lse)
+        finally:
+            s.close()
+
+
+@pytest.mark.parametrize("pool_name", ["gqa", "mla"])
+def test_outputs_the_kernels_write_into_shared_memory_match_the_reference(
+    plane_server: PlaneServer, direct_server: PlaneServer, pool_name: str
+) -> None:
+    """Prefill with append, then decode, lse included, over shared memory on the server whose
+    decode kernels write the outputs into the caller's region themselves: checked against the
+    reference like the copied outputs."""
+    plane_server.require_regions()
+    with Client(direct_server.address, transport="shm", timeout=60.0) as client:
+        s = session(client, pool_name, seed=41)
+        try:
+            s.chunk(["a", "b"], [23, 4])
+            s.chunk(["a", "b"], [3, 17])
+            for _ in range(2):
+                s.decode_step(["a", "b"])
         finally:
             s.close()
 
