@@ -20,12 +20,15 @@ void MergedBatch::Build(absl::Span<AttentionCall* const> calls) {
       kv_indptr_.push_back(page_base + c->kv_indptr[b + 1]);
       seq_layer_.push_back(c->layer);
     }
-    kv_indices_.insert(kv_indices_.end(), c->kv_indices.begin(), c->kv_indices.end());
+    if (calls.size() > 1) {
+      kv_indices_.insert(kv_indices_.end(), c->kv_indices.begin(), c->kv_indices.end());
+    }
     kv_last_page_len_.insert(kv_last_page_len_.end(), c->kv_last_page_len.begin(),
                              c->kv_last_page_len.end());
     total_q_ += c->total_q;
     call_rows_.push_back(total_q_);
   }
+  indices_ = calls.size() == 1 ? calls.front()->kv_indices.data() : kv_indices_.data();
 }
 
 PagedBatch MergedBatch::View(Op op) const {
@@ -34,7 +37,7 @@ PagedBatch MergedBatch::View(Op op) const {
   b.total_q = total_q_;
   b.qo_indptr = op == Op::kPrefill ? qo_indptr_.data() : nullptr;
   b.kv_indptr = kv_indptr_.data();
-  b.kv_indices = kv_indices_.data();
+  b.kv_indices = indices_;
   b.kv_last_page_len = kv_last_page_len_.data();
   b.seq_layer = seq_layer_.data();
   return b;

@@ -28,17 +28,13 @@ class MergedBatch {
   // Host view of the merged table; qo_indptr is null for decode batches.
   PagedBatch View(Op op) const;
 
-  // The merged arrays, for backends that copy them elsewhere (e.g. to the device).
-  const std::vector<int32_t>& qo_indptr() const { return qo_indptr_; }
-  const std::vector<int32_t>& kv_indptr() const { return kv_indptr_; }
-  const std::vector<int32_t>& kv_indices() const { return kv_indices_; }
-  const std::vector<int32_t>& kv_last_page_len() const { return kv_last_page_len_; }
-  const std::vector<int32_t>& seq_layer() const { return seq_layer_; }
-
  private:
   int total_q_ = 0;
   std::vector<int32_t> call_rows_;
   std::vector<int32_t> qo_indptr_, kv_indptr_, kv_indices_, kv_last_page_len_, seq_layer_;
+  // The merged kv_indices: a lone call's own (not copied: the largest array, a page id per page
+  // of every sequence, read once more where the launch stages it), or kv_indices_.
+  const int32_t* indices_ = nullptr;
 };
 
 // Runs fn(i) for every i in [0, n), possibly on several threads at once, and returns when all

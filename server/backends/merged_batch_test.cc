@@ -31,6 +31,54 @@ Pieces RandomPieces(size_t size, size_t max_piece, std::mt19937& rng) {
   return p;
 }
 
+// A decode call of `lens.size()` sequences on layer `layer`, sequence b on pages `pages[b]`.
+struct TableCall {
+  std::vector<int32_t> indptr, indices;
+  AttentionCall call;
+
+  TableCall(int layer, const std::vector<std::vector<int32_t>>& pages) {
+    indptr.push_back(0);
+    for (const auto& p : pages) {
+      indices.insert(indices.end(), p.begin(), p.end());
+      indptr.push_back(static_cast<int32_t>(indices.size()));
+    }
+    call.op = Op::kDecode;
+    call.layer = layer;
+    call.batch_size = call.total_q = static_cast<int>(pages.size());
+    call.kv_indptr = indptr;
+    call.kv_indices = indices;
+    call.kv_last_page_len.assign(pages.size(), 3);
+  }
+};
+
+TEST(MergedBatchTest, ConcatenatesCallsAndReadsALoneCallsPagesInPlace) {
+  TableCall a(0, {{5, 6}, {7}}), b(1, {{8, 9, 10}});
+  std::vector<AttentionCall*> both = {&a.call, &b.call};
+  MergedBatch merged;
+  merged.Build(both);
+  PagedBatch v = merged.View(Op::kDecode);
+  ASSERT_EQ(v.batch_size, 3);
+  EXPECT_EQ(std::vector<int32_t>(v.kv_indptr, v.kv_indptr + 4), (std::vector<int32_t>{0, 2, 3, 6}));
+  EXPECT_EQ(std::vector<int32_t>(v.kv_indices, v.kv_indices + 6),
+            (std::vector<int32_t>{5, 6, 7, 8, 9, 10}));
+  EXPECT_EQ(std::vector<int32_t>(v.seq_layer, v.seq_layer + 3), (std::vector<int32_t>{0, 0, 1}));
+  EXPECT_EQ(merged.row_begin(1), 2);
+
+  // One call: its own page ids, where they are (the view must not outlive the call).
+  std::vector<AttentionCall*> one = {&b.call};
+  merged.Build(one);
+  v = merged.View(Op::kDecode);
+  ASSERT_EQ(v.batch_size, 1);
+  EXPECT_EQ(v.kv_indices, b.indices.data());
+  EXPECT_EQ(std::vector<int32_t>(v.kv_indptr, v.kv_indptr + 2), (std::vector<int32_t>{0, 3}));
+  EXPECT_EQ(v.seq_layer[0], 1);
+  // And back to several: concatenated again.
+  merged.Build(both);
+  v = merged.View(Op::kDecode);
+  EXPECT_EQ(std::vector<int32_t>(v.kv_indices, v.kv_indices + 6),
+            (std::vector<int32_t>{5, 6, 7, 8, 9, 10}));
+}
+
 TEST(HostRunTest, CopiesAnyRangeOfItsParts) {
   std::mt19937 rng(1);
   for (int round = 0; round < 200; ++round) {
