@@ -1,6 +1,7 @@
 #include "kernels/cuda/launch_plan.h"
 
 #include <cstring>
+#include <tuple>
 
 #include "kernels/cuda/common/cuda_check.h"
 
@@ -80,6 +81,20 @@ RowWidths MlaRowWidths(int num_heads) {
   return w;
 }
 
+bool LaunchPlan::PlanKey::operator==(const PlanKey& other) const {
+  // PlanConfig is shared with device code (C++17: no defaulted comparison); a field added to it
+  // must join the tuple.
+  static_assert(sizeof(PlanConfig) == 72, "compare PlanConfig's new field here");
+  auto fields = [](const PlanKey& k) {
+    const PlanConfig& c = k.config;
+    return std::tie(k.table_id, k.mla, k.page_size, k.variant, c.group, c.num_kv_heads,
+                    c.num_qo_heads, c.block_m, c.block_n, c.cta_slots, c.causal,
+                    c.waves_before_split, c.target_waves, c.no_split_fill, c.min_chunk_len,
+                    c.max_partial_rows);
+  };
+  return fields(*this) == fields(other);
+}
+
 void LaunchPlan::PlanGqa(const GqaCache& cache, int num_qo_heads, const PagedBatch& batch,
                          const LaunchOptions& options) {
   mla_ = false;
@@ -113,16 +128,21 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   num_calls_ = options.call_rows ? options.num_calls : 0;
   num_sms_ = tiling.num_sms;
   const int n = batch.batch_size;
-  q_lens_.resize(n);
-  kv_lens_.resize(n);
-  for (int b = 0; b < n; ++b) {
-    const SeqExtent e = GetSeqExtent(batch, page_size, b);
-    q_lens_[b] = e.q_len;
-    kv_lens_[b] = e.kv_len;
-  }
   if (options.min_chunk_len > 0) config.min_chunk_len = options.min_chunk_len;
   if (options.target_waves > 0) config.target_waves = options.target_waves;
-  plan_ = PlanAttention(config, q_lens_.data(), kv_lens_.data(), n);
+  const PlanKey key{options.table_id, mla_, page_size, tiling.variant, config};
+  plan_reused_ = options.table_id != 0 && key == planned_;
+  planned_ = key;
+  if (!plan_reused_) {
+    q_lens_.resize(n);
+    kv_lens_.resize(n);
+    for (int b = 0; b < n; ++b) {
+      const SeqExtent e = GetSeqExtent(batch, page_size, b);
+      q_lens_[b] = e.q_len;
+      kv_lens_[b] = e.kv_len;
+    }
+    plan_ = PlanAttention(config, q_lens_.data(), kv_lens_.data(), n);
+  }
   device_plan_ = DevicePlan{};
   device_plan_.variant = tiling.variant;
 
@@ -153,13 +173,14 @@ size_t LaunchPlan::WorkspaceBytes() const {
   return static_cast<size_t>(plan_.partial_rows) * (out_dim() + 1) * sizeof(float);
 }
 
-void LaunchPlan::WriteIndices(void* host_inputs) const {
+void LaunchPlan::WriteIndices(void* host_inputs, bool per_launch_only) const {
   char* h = static_cast<char*>(host_inputs);
+  Put(h, inputs_.seq_layer, host_batch_.seq_layer);
+  if (per_launch_only) return;
   Put(h, inputs_.qo_indptr, host_batch_.qo_indptr);
   Put(h, inputs_.kv_indptr, host_batch_.kv_indptr);
   Put(h, inputs_.kv_indices, host_batch_.kv_indices);
   Put(h, inputs_.kv_last_page_len, host_batch_.kv_last_page_len);
-  Put(h, inputs_.seq_layer, host_batch_.seq_layer);
   Put(h, inputs_.items, plan_.items.data());
   Put(h, inputs_.merges, plan_.merges.data());
   Put(h, inputs_.call_rows, call_rows_);

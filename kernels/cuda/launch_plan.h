@@ -44,6 +44,8 @@ inline constexpr size_t kStagingAlign = 256;
 struct StagingSection {
   size_t offset = 0;
   size_t bytes = 0;
+
+  bool operator==(const StagingSection&) const = default;
 };
 
 struct InputLayout {
@@ -60,6 +62,8 @@ struct InputLayout {
   StagingSection merges;            // MergeRow [plan().merges.size()]
   StagingSection call_rows;         // int32 [num_calls + 1] (LaunchOptions::call_rows)
   size_t bytes = 0;                 // the whole buffer
+
+  bool operator==(const InputLayout&) const = default;
 };
 
 struct OutputLayout {
@@ -105,6 +109,10 @@ struct LaunchOptions {
   // WriteIndices.
   const int32_t* call_rows = nullptr;  // [num_calls + 1]
   int num_calls = 0;
+  // Nonzero: an id of the batch's page table (its qo_indptr, kv_* arrays and call rows) that no
+  // other table ever has. A launch with the id of the last one planned, on the same pool and
+  // tiling, keeps that launch's plan (plan_reused()) instead of planning again.
+  uint64_t table_id = 0;
 };
 
 class LaunchPlan {
@@ -126,8 +134,13 @@ class LaunchPlan {
   size_t WorkspaceBytes() const;
 
   // Copies the page table, the work items and the merge rows into their sections of
-  // `host_inputs` (inputs().bytes); the caller writes the tensors' sections.
-  void WriteIndices(void* host_inputs) const;
+  // `host_inputs` (inputs().bytes); the caller writes the tensors' sections. `per_launch_only`:
+  // just the sections that differ between launches over one table (seq_layer), for a caller that
+  // still holds the last launch's device copy of the others, same layout (plan_reused()).
+  void WriteIndices(void* host_inputs, bool per_launch_only = false) const;
+  // True when this launch kept the last one's plan (LaunchOptions::table_id): its page table,
+  // work items, merge rows and call rows are those of the last launch.
+  bool plan_reused() const { return plan_reused_; }
 
   // Points the launch's params and device plan into `device_inputs` (holding the staged inputs
   // once the copy has run), `device_outputs` (outputs().bytes) and `workspace`.
@@ -160,6 +173,17 @@ class LaunchPlan {
   int out_dim() const { return mla_ ? kMlaCkvDim : gqa_.cache.head_dim; }
 
   bool mla_ = false;
+  // What the last plan was made from (LaunchOptions::table_id).
+  struct PlanKey {
+    uint64_t table_id = 0;
+    bool mla = false;
+    int page_size = 0;
+    int variant = -1;
+    PlanConfig config;
+    bool operator==(const PlanKey& other) const;
+  };
+  PlanKey planned_;
+  bool plan_reused_ = false;
   bool append_ = false;
   bool lse_ = false;
   const int32_t* call_rows_ = nullptr;  // LaunchOptions::call_rows, until WriteIndices

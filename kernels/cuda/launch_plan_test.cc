@@ -244,5 +244,48 @@ TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
   EXPECT_EQ(dp.max_splits, plan.plan().max_splits);
 }
 
+// A launch over the table of the last one (LaunchOptions::table_id) keeps its plan, and its
+// per-launch-only indices are seq_layer alone; another id, a new tiling, or no id plans again.
+TEST(LaunchPlanTest, ATablesIdKeepsItsPlan) {
+  GqaBatch t;
+  std::vector<int32_t> layer0{0, 0}, layer1{1, 1};
+  PagedBatch view = t.View();
+  view.seq_layer = layer0.data();
+  LaunchOptions o = GqaOptions();
+  o.table_id = 7;
+  LaunchPlan plan;
+  plan.PlanGqa(t.cache, 8, view, o);
+  EXPECT_FALSE(plan.plan_reused());
+  const std::vector<WorkItem> first(plan.plan().items);
+  const InputLayout layout = plan.inputs();
+
+  view.seq_layer = layer1.data();
+  plan.PlanGqa(t.cache, 8, view, o);
+  EXPECT_TRUE(plan.plan_reused());
+  EXPECT_EQ(plan.plan().items.size(), first.size());
+  EXPECT_TRUE(plan.inputs() == layout);
+  std::vector<char> host(layout.bytes, 0x5a);
+  plan.WriteIndices(host.data(), /*per_launch_only=*/true);
+  EXPECT_EQ(Read<int32_t>(host, layout.seq_layer), layer1);
+  // Nothing else was written.
+  std::vector<char> untouched(layout.bytes, 0x5a);
+  std::memcpy(untouched.data() + layout.seq_layer.offset, layer1.data(), layout.seq_layer.bytes);
+  EXPECT_TRUE(host == untouched);
+
+  o.tiling = Tiling(64, 66);  // half the SMs: another plan
+  plan.PlanGqa(t.cache, 8, view, o);
+  EXPECT_FALSE(plan.plan_reused());
+  plan.PlanGqa(t.cache, 8, view, o);
+  EXPECT_TRUE(plan.plan_reused());
+  o.table_id = 8;
+  plan.PlanGqa(t.cache, 8, view, o);
+  EXPECT_FALSE(plan.plan_reused());
+  o.table_id = 0;  // no id: never kept
+  plan.PlanGqa(t.cache, 8, view, o);
+  EXPECT_FALSE(plan.plan_reused());
+  plan.PlanGqa(t.cache, 8, view, o);
+  EXPECT_FALSE(plan.plan_reused());
+}
+
 }  // namespace
 }  // namespace attn::cuda

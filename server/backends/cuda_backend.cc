@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <utility>
 #include <atomic>
 #include <mutex>
 #include <vector>
@@ -89,6 +90,7 @@ class StagingPair {
   absl::Status Reserve(size_t bytes, DeviceState& state) {
     if (bytes <= capacity_) return absl::OkStatus();
     Release();
+    ++generation_;
     capacity_ = std::max(bytes, 2 * capacity_);
     if (with_host_) {
       RETURN_IF_CUDA_ERROR(state, cudaHostAlloc(&host_, capacity_, cudaHostAllocDefault));
@@ -98,6 +100,9 @@ class StagingPair {
   }
   char* host() const { return static_cast<char*>(host_); }
   char* device() const { return static_cast<char*>(device_); }
+  // Changes whenever the buffers are given back or replaced: what was copied into them before is
+  // there while it stays the same.
+  uint64_t generation() const { return generation_; }
   // Gives the buffers back when they grew past `keep` and the launch that just ran used less
   // than a quarter of them: one large call does not hold pinned and device memory for the life of
   // the process, and a stream of large calls does not pay for pinning (tens of ms for 100 MB)
@@ -112,8 +117,10 @@ class StagingPair {
     if (device_) cudaFree(device_);
     host_ = device_ = nullptr;
     capacity_ = 0;
+    ++generation_;
   }
   const bool with_host_, with_device_;
+  uint64_t generation_ = 0;
   void* host_ = nullptr;
   void* device_ = nullptr;
   size_t capacity_ = 0;
@@ -228,6 +235,9 @@ class CudaLane final : public Lane {
     options.tiling = tiling_;
     options.short_prefill = short_prefill_;
     options.max_partial_rows = max_partial_rows_;
+    // A lone call on a plan's table: the last launch's plan, and its device copy, may still serve.
+    options.table_id = calls.size() == 1 ? calls.front()->table_id : 0;
+    const StagedTable last_staged = std::exchange(staged_table_, StagedTable{});
     bf16* storage = static_cast<bf16*>(pool_.storage);
     if (g.kind == PoolKind::kGqa) {
       launch_.PlanGqa(g.GqaView(storage), g.num_qo_heads, merged_.View(op_), options);
@@ -240,7 +250,13 @@ class CudaLane final : public Lane {
     const cuda::InputLayout& in = launch_.inputs();
     const cuda::RowWidths& w = launch_.widths();
     if (absl::Status st = inputs_.Reserve(in.bytes, state_); !st.ok()) return st;
-    launch_.WriteIndices(inputs_.host());
+    // The page table and plan in the device staging are still this table's when the plan was
+    // kept, the layout is the same and the buffer has not been replaced: only seq_layer (the
+    // layer of the call) is staged again. Per layer of a scheduler's step, that is all but one
+    // call on the step's plan.
+    const StagedTable staged{options.table_id, in, inputs_.generation()};
+    const bool table_staged = launch_.plan_reused() && staged == last_staged;
+    launch_.WriteIndices(inputs_.host(), table_staged);
     const cuda::OutputLayout& out = launch_.outputs();
     if (absl::Status st = outputs_.Reserve(out.bytes, state_); !st.ok()) return st;
     RETURN_IF_CUDA_ERROR(state_, launch_.Bind(inputs_.device(), outputs_.device(), workspace_,
@@ -261,9 +277,14 @@ class CudaLane final : public Lane {
     timer.Next(&stats.prepare);
     // The tensors' copies are queued; the page table and plan are the buffer's tail.
     const size_t tail = in.qo_indptr.bytes > 0 ? in.qo_indptr.offset : in.kv_indptr.offset;
-    RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(inputs_.device() + tail, inputs_.host() + tail,
-                                                 in.bytes - tail, cudaMemcpyHostToDevice, stream_));
-    bytes_in += static_cast<int64_t>(in.bytes - tail);
+    const size_t from = table_staged ? in.seq_layer.offset : tail;
+    const size_t to = table_staged ? in.seq_layer.offset + in.seq_layer.bytes : in.bytes;
+    if (to > from) {
+      RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(inputs_.device() + from, inputs_.host() + from,
+                                                   to - from, cudaMemcpyHostToDevice, stream_));
+    }
+    bytes_in += static_cast<int64_t>(to - from);
+    if (options.table_id != 0) staged_table_ = staged;
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(start_, stream_));
     // The finiteness check first; its verdicts come back while the append (which skips the
     // refused calls) and the attention run.
@@ -365,6 +386,15 @@ class CudaLane final : public Lane {
   }
 
  private:
+  // What the device staging's page-table and plan sections hold: those of the last launch on a
+  // plan's table (LaunchOptions::table_id), with that layout, in that generation of the buffer.
+  struct StagedTable {
+    uint64_t table_id = 0;
+    cuda::InputLayout layout;
+    uint64_t generation = 0;
+    bool operator==(const StagedTable&) const = default;
+  };
+
   // Where the kernels write a launch's outputs themselves (null: the output buffer, copied after
   // them), and how many bytes that is.
   struct DirectOutputs {
@@ -479,6 +509,7 @@ class CudaLane final : public Lane {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   cudaEvent_t checked_ = nullptr;  // the finiteness verdicts are on the host
+  StagedTable staged_table_;       // none (table_id 0) after a launch that failed before its copy
   void* workspace_ = nullptr;
   cuda::KernelTiling tiling_;
   cuda::KernelTiling short_prefill_;  // GQA prefill lanes: one-CTA sequences on the decode kernel

@@ -64,6 +64,10 @@ struct AttentionCall {
   absl::Span<const int32_t> kv_indices;   // [kv_indptr[batch_size]]
   std::vector<int32_t> kv_last_page_len;  // [batch_size], normalized: 0 for sequences w/o pages
   std::vector<int32_t> table;             // the call's own copy of a page table from a region
+  // Nonzero when the page table is a plan's (Plan::id(): unique for the process's life, and the
+  // table never changes under it), so a backend may keep what it derived from the table for the
+  // next call that names the same id.
+  uint64_t table_id = 0;
 
   // bf16 inputs. GQA: q [total_q, H, D], k_new/v_new [total_q, H_kv, D].
   // MLA: q = q_nope [total_q, H, 512], q_pe [total_q, H, 64], k_new = ckv [total_q, 512],

@@ -350,6 +350,7 @@ absl::StatusOr<Admission> Engine::Admit(Pool& pool, const Caller& caller, Attent
         c.kv_indices.data() != plan->table().kv_indices.data()) {
       return absl::InternalError("a call admitted with a plan must be validated on that plan");
     }
+    admission.call_.table_id = plan->id();
     admission.plan_ = std::move(plan);
   } else {
     ATTN_RETURN_IF_ERROR(pool.pages_.Pin(c.kv_indices, owner, "kv_indices"));

@@ -745,6 +745,36 @@ TEST_F(EngineTest, APlanServesOnlyItsSessionPoolAndMethod) {
             StatusCode::kInvalidArgument);
 }
 
+// A call on a plan carries the plan's id (AttentionCall::table_id), which no other plan has, a
+// replacement under the same name included; a call with a table of its own carries none.
+TEST_F(EngineTest, ACallOnAPlanCarriesItsTablesId) {
+  const Caller a = Open();
+  const std::vector<int32_t> pages = Allocate(a, 2);
+  auto admit_on_step = [&]() -> uint64_t {
+    absl::StatusOr<std::shared_ptr<const Plan>> plan =
+        engine_->FindPlan(Pool(), a, "step", Op::kDecode);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    absl::StatusOr<Admission> admitted = engine_->Admit(Pool(), a, CallOn(**plan), {}, *plan);
+    EXPECT_TRUE(admitted.ok()) << admitted.status();
+    EXPECT_EQ(admitted->call().table_id, (*plan)->id());
+    return admitted->call().table_id;
+  };
+  ASSERT_TRUE(engine_->CreatePlan(Pool(), a, "step", DecodeTable(pages)).ok());
+  const uint64_t first = admit_on_step();
+  EXPECT_NE(first, 0u);
+  EXPECT_EQ(admit_on_step(), first);
+  ASSERT_TRUE(engine_->CreatePlan(Pool(), a, "step", DecodeTable(pages)).ok());  // the same table
+  const uint64_t second = admit_on_step();
+  EXPECT_NE(second, 0u);
+  EXPECT_NE(second, first);
+  absl::StatusOr<std::shared_ptr<const Plan>> plan =
+      engine_->FindPlan(Pool(), a, "step", Op::kDecode);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<Admission> own = engine_->Admit(Pool(), a, CallOn(**plan));
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(own->call().table_id, 0u);
+}
+
 TEST_F(EngineTest, PlansPerSessionAreBounded) {
   const Caller a = Open();
   const std::vector<int32_t> pages = Allocate(a, 1);

@@ -1,5 +1,7 @@
 #include "server/engine/plans.h"
 
+#include <atomic>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +15,16 @@ absl::StatusOr<std::shared_ptr<Plan>> Plan::Create(PagePool* pages, int pool, Se
   if (absl::Status st = pages->Pin(table.kv_indices, session, "kv_indices"); !st.ok()) return st;
   return std::shared_ptr<Plan>(new Plan(pages, pool, session, std::move(table)));
 }
+
+Plan::Plan(PagePool* pages, int pool, SessionId session, PlanTable table)
+    : id_([] {
+        static std::atomic<uint64_t> next{1};
+        return next.fetch_add(1, std::memory_order_relaxed);
+      }()),
+      pages_(pages),
+      pool_(pool),
+      session_(session),
+      table_(std::move(table)) {}
 
 Plan::~Plan() { pages_->Unpin(table_.kv_indices); }
 

@@ -47,11 +47,13 @@ class Plan {
   int pool() const { return pool_; }  // the Engine's pool index
   SessionId session() const { return session_; }
   const PlanTable& table() const { return table_; }
+  // Unique among the plans of the process's life, never 0 (AttentionCall::table_id).
+  uint64_t id() const { return id_; }
 
  private:
-  Plan(PagePool* pages, int pool, SessionId session, PlanTable table)
-      : pages_(pages), pool_(pool), session_(session), table_(std::move(table)) {}
+  Plan(PagePool* pages, int pool, SessionId session, PlanTable table);
 
+  const uint64_t id_;
   PagePool* const pages_;
   const int pool_;
   const SessionId session_;
