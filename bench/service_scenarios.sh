@@ -106,7 +106,11 @@ load transport_queue_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport
 load transport_queue_shm_eight_clients_b8 --clients=8 --batch=8 --transport=shm --call_queue
 if [ "$backend" = cuda ]; then
   load transport_queue_cuda_decode_b64 --clients=1 --batch=64 --transport=cuda --call_queue
+  load transport_queue_cuda_prefill_8192_on_1024 --clients=1 --batch=1 --op=prefill \
+    --context=1024 --prefill_tokens=8192 --append --transport=cuda --call_queue
 fi
+load transport_queue_shm_prefill_8192_on_1024 --clients=1 --batch=1 --op=prefill --context=1024 \
+  --prefill_tokens=8192 --append --transport=shm --call_queue
 # The page table checked and pinned once per step (attention.proto, "Plans"), each call naming it.
 load transport_queue_shm_plan_decode_b64 --clients=1 --batch=64 --transport=shm --call_queue --plan
 load transport_queue_shm_plan_decode_b256 --clients=1 --batch=256 --transport=shm --call_queue \
