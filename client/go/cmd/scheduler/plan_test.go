@@ -3,8 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"reflect"
@@ -18,28 +16,11 @@ import (
 )
 
 func TestParsePlanFlag(t *testing.T) {
-	for _, tc := range []struct {
-		args []string
-		want bool
-	}{
-		{nil, false},
-		{[]string{"--plan"}, true},
-		{[]string{"--plan=true", "--pool=mla"}, true},
-		{[]string{"--plan", "--plan=false"}, false},
-	} {
-		cfg, err := parseFlags(tc.args, io.Discard)
-		if err != nil || cfg.plan != tc.want {
-			t.Errorf("%q: plan %v, %v; want %v", tc.args, cfg.plan, err, tc.want)
-		}
-	}
-	var help bytes.Buffer
-	if _, err := parseFlags([]string{"--help"}, &help); !errors.Is(err, flag.ErrHelp) ||
-		!strings.Contains(help.String(), "-plan") || !strings.Contains(help.String(), `named "step"`) {
-		t.Errorf("--help: %v\n%s", err, help.String())
-	}
-	if _, err := parseFlags([]string{"--plan=maybe"}, io.Discard); err == nil {
-		t.Error("--plan=maybe accepted")
-	}
+	attnservetest.CheckBoolFlag(t, "plan", "--pool=mla", `named "step"`,
+		func(args []string, usage io.Writer) (bool, error) {
+			cfg, err := parseFlags(args, usage)
+			return cfg.plan, err
+		})
 	if code := run([]string{"--plan", "--chunk=0"}, io.Discard, io.Discard); code != 2 {
 		t.Errorf("--plan with a bad flag: exit %d", code)
 	}
