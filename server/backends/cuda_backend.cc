@@ -3,9 +3,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <utility>
 #include <atomic>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"

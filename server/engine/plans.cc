@@ -1,7 +1,6 @@
 #include "server/engine/plans.h"
 
 #include <atomic>
-
 #include <utility>
 
 #include "absl/strings/str_cat.h"
