@@ -23,6 +23,7 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   c.cta_slots = tiling.num_sms * tiling.ctas_per_sm;
   c.min_chunk_len = tiling.min_chunk_len;
   c.waves_before_split = tiling.waves_before_split;
+  c.target_waves = tiling.target_waves;
   c.no_split_fill = tiling.no_split_fill;
   c.causal = causal;
   c.max_partial_rows = max_partial_rows;
@@ -60,14 +61,23 @@ bool IsSm90Mla(int variant) { return variant >= kMlaSm90; }
 // decode 103.2 -> 104.1 (within the run-to-run spread), page 1 unchanged (bench/RESULTS.md).
 constexpr int kDefaultSm90Mla = kMlaSm90SplitSTma;
 
+// The Hopper MLA variant the default selects for a launch of num_heads heads: a decode of at most
+// 32 heads fills one transposed tile's columns (kMlaSm90Narrow*), anything else the 64-row tiles.
+int DefaultSm90Mla(int num_heads, bool decode) {
+  static_assert(kMlaSm90NarrowMaxHeads == 32);
+  if (decode && num_heads <= 16) return kMlaSm90Narrow16;
+  if (decode && num_heads <= 32) return kMlaSm90Narrow32;
+  return kDefaultSm90Mla;
+}
+
 // Resolves an MLA variant for the current device as ResolvePrefillVariant does.
-cudaError_t ResolveMlaVariant(int* variant) {
+cudaError_t ResolveMlaVariant(int num_heads, bool decode, int* variant) {
   bool sm90 = false;
 #ifdef ATTN_HAVE_SM90
   if (*variant < 0 || IsSm90Mla(*variant)) ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(&sm90));
 #endif
   if (IsSm90Mla(*variant) && !sm90) return cudaErrorNotSupported;
-  if (*variant < 0) *variant = sm90 ? kDefaultSm90Mla : kMlaPortable;
+  if (*variant < 0) *variant = sm90 ? DefaultSm90Mla(num_heads, decode) : kMlaPortable;
   return cudaSuccess;
 }
 
@@ -101,9 +111,11 @@ cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling) {
 
 cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling) {
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
-  ATTN_CUDA_RETURN_IF_ERROR(ResolveMlaVariant(&tiling->variant));
+  ATTN_CUDA_RETURN_IF_ERROR(ResolveMlaVariant(num_heads, decode, &tiling->variant));
 #ifdef ATTN_HAVE_SM90
-  if (IsSm90Mla(tiling->variant)) return MlaSm90Tiling(tiling->variant, decode, tiling);
+  if (IsSm90Mla(tiling->variant)) {
+    return MlaSm90Tiling(tiling->variant, num_heads, decode, tiling);
+  }
 #endif
   if (tiling->variant != kMlaPortable) return cudaErrorInvalidValue;
   return MlaTiling(num_heads, decode, tiling);

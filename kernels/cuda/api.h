@@ -75,6 +75,12 @@ inline constexpr int kMlaSm90Seesaw = 12;  // both consumers compute S, for alte
 // same as 11 and 12).
 inline constexpr int kMlaSm90SplitSTma = 13;
 inline constexpr int kMlaSm90SeesawTma = 14;
+// Transposed for few heads: keys and output columns as wgmma's M, 16 or 32 heads (packed rows) as
+// its N, so a decode of 8-32 heads does no tensor work on padding rows. The default for decodes of
+// at most 16 (kMlaSm90Narrow16) or 32 heads (kMlaSm90Narrow32).
+inline constexpr int kMlaSm90Narrow16 = 16;
+inline constexpr int kMlaSm90Narrow32 = 17;
+inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
 
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {
@@ -88,7 +94,8 @@ struct KernelTiling {
   // PlanConfig::waves_before_split: a kernel of few, long CTAs per SM splits only when a launch
   // would not fill the GPU once.
   double waves_before_split = 2.0;
-  double no_split_fill = 0;  // PlanConfig::no_split_fill
+  double target_waves = 4.0;  // PlanConfig::target_waves
+  double no_split_fill = 0;   // PlanConfig::no_split_fill
 };
 
 // Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA

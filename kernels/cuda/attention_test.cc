@@ -168,15 +168,17 @@ std::vector<int> DecodeVariants(int head_dim) {
       [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, true, t); });
 }
 
-// The MLA kernels every run checks: the portable one and the sm_90a ones where they run, or
-// those ATTN_TEST_MLA_VARIANTS lists ("0,10": to bisect a failing variant on the GPU).
-std::vector<int> MlaVariants() {
+// The MLA kernels every run checks on a geometry of num_heads: the portable one and the sm_90a
+// ones where they run and take that many heads, or those ATTN_TEST_MLA_VARIANTS lists ("0,10": to
+// bisect a failing variant on the GPU).
+std::vector<int> MlaVariants(int num_heads) {
   std::vector<int> candidates = {cuda::kMlaPortable,      cuda::kMlaSm90,
                                  cuda::kMlaSm90SplitS,    cuda::kMlaSm90Seesaw,
-                                 cuda::kMlaSm90SplitSTma, cuda::kMlaSm90SeesawTma};
+                                 cuda::kMlaSm90SplitSTma, cuda::kMlaSm90SeesawTma,
+                                 cuda::kMlaSm90Narrow16,  cuda::kMlaSm90Narrow32};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) candidates = ParseList(list);
-  return AcceptedVariants(candidates,
-                          [](cuda::KernelTiling* t) { return cuda::GetMlaTiling(16, false, t); });
+  return AcceptedVariants(
+      candidates, [&](cuda::KernelTiling* t) { return cuda::GetMlaTiling(num_heads, false, t); });
 }
 
 // One kernel variant's results for a batch.
@@ -228,7 +230,8 @@ void RunGqa(const GqaGeometry& g, const Case& c, const std::vector<int>& variant
   }
 }
 
-void RunMla(const MlaGeometry& g, const Case& c, const std::vector<int>& variants = MlaVariants()) {
+void RunMla(const MlaGeometry& g, const Case& c) {
+  const std::vector<int> variants = MlaVariants(g.num_heads);
   std::mt19937_64 rng(Seed());
   MlaHostBatch host = MakeMlaBatch(g, c.seqs, c.options, rng);
   std::vector<Got> got;
@@ -421,7 +424,7 @@ void RunMlaOverflow(const MlaGeometry& g, const OverflowCase& c) {
     std::mt19937_64 rng(Seed());
     MlaHostBatch host = MakeMlaBatch(g, c.seqs, c.options, rng);
     MakeLogitsOverflow(how, &host);
-    for (int v : MlaVariants()) {
+    for (int v : MlaVariants(g.num_heads)) {
       SCOPED_TRACE(::testing::Message()
                    << c.name << " overflow " << static_cast<int>(how) << " variant " << v);
       std::unique_ptr<DeviceBatch> device;

@@ -168,6 +168,35 @@ TEST(PlanTest, FullWavesStayUnsplitWhenTheKernelSaysSo) {
   ExpectPlanCovers(c, split, q, kv_long);
 }
 
+TEST(PlanTest, OneWaveTargetSplitsIntoAboutOneWave) {
+  // The transposed MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, NarrowTraits): 16 heads
+  // in one 16-row item per sequence, one CTA per SM of 132, target_waves 1, 512-key chunks at
+  // least. 64 x 4096: 64 CTAs < 1 wave -> 262144 keys / 132 items -> 1986 -> 2048-key chunks,
+  // 128 CTAs in one wave (4 target waves would make 4 chunks and two waves).
+  PlanConfig c;
+  c.group = 16;
+  c.num_qo_heads = 16;
+  c.block_m = 16;
+  c.block_n = 64;
+  c.cta_slots = 132;
+  c.causal = false;
+  c.waves_before_split = 1.0;
+  c.target_waves = 1.0;
+  c.min_chunk_len = 512;
+  std::vector<int32_t> q(64, 1), kv(64, 4096);
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 64);
+  EXPECT_EQ(plan.chunk_len, 2048);
+  EXPECT_EQ(plan.items.size(), 128u);
+  ExpectPlanCovers(c, plan, q, kv);
+
+  // 16 x 4096: 65536 / 132 -> 512-key chunks, 8 per sequence, 128 CTAs again.
+  std::vector<int32_t> q16(16, 1), kv16(16, 4096);
+  const AttentionPlan small = PlanAttention(c, q16.data(), kv16.data(), 16);
+  EXPECT_EQ(small.chunk_len, 512);
+  EXPECT_EQ(small.items.size(), 128u);
+  ExpectPlanCovers(c, small, q16, kv16);
+}
+
 TEST(PlanTest, SingleLongSequenceSpreadsOverTheGpu) {
   PlanConfig c = DecodeConfig(4, 8);
   std::vector<int32_t> q{1}, kv{16384};

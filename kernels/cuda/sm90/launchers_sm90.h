@@ -20,9 +20,10 @@ cudaError_t LaunchGqaPrefillSm90(const GqaParams& p, const DevicePlan& plan, cud
                                  int variant);
 cudaError_t GqaPrefillSm90Tiling(int head_dim, int variant, KernelTiling* tiling);
 
-// The MLA kernels (kMlaSm90*), where DeviceRunsSm90a.
+// The MLA kernels (kMlaSm90*), where DeviceRunsSm90a. Beyond kMlaSm90NarrowMaxHeads heads the
+// tiling of kMlaSm90Narrow* is cudaErrorNotSupported and its launch cudaErrorInvalidValue.
 cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream,
                           int variant);
-cudaError_t MlaSm90Tiling(int variant, bool decode, KernelTiling* tiling);
+cudaError_t MlaSm90Tiling(int variant, int num_heads, bool decode, KernelTiling* tiling);
 
 }  // namespace attn::cuda

@@ -27,6 +27,8 @@
 // Measured and dropped (bench/RESULTS.md): 32-key tiles in four stages (deeper prefetch, but the
 // narrower S reads Q twice as often), and cluster pairs that copied each tile from L2 once for
 // both halves of a 128-head decode: both slower.
+// Narrow variant (NarrowTraits, ConsumeNarrow below): for decodes of few heads, a transposed
+// kernel of two warpgroups whose GEMMs take the heads as their N side.
 // Rows past kv_end in a tile copy the range's last key again (real, finite data the mask hides;
 // never the slot itself, which may hold NaN). Causal block skipping is the planner's; masking
 // runs only on tiles that cross a row's limit. Split-KV items write float32 partials through the
@@ -50,22 +52,11 @@ namespace attn::cuda {
 namespace sm90 {
 namespace {
 
-constexpr int kBlockM = 64;  // packed rows per CTA
-constexpr int kThreads = 384;
-constexpr int kHalfCols = kMlaCkvDim / 2;              // output columns per consumer warpgroup
-constexpr int kDTiles = kHalfCols / 8;                 // 32 accumulator fragments of 8 columns
-constexpr int kKSteps = kMlaTokenDim / 16;             // 36 k-steps of S
-constexpr int kColumnBlocks = kMlaTokenDim / 64;       // 9 swizzled 128-byte column blocks
-constexpr int kQBlockBytes = kBlockM * 128;            // one column block of Q
-constexpr int kQBytes = kColumnBlocks * kQBlockBytes;  // 72 KiB
-constexpr int kPBytes = kBlockM * 64 * 2;              // P, bf16, one column block (up to 64 keys)
-constexpr int kRowsPerPass = 128 / 8;                  // 8 producer lanes per row
-constexpr int kQPasses = kBlockM / kRowsPerPass;
-constexpr int kRowFloats = 3 * kBlockM;  // per row: rescale factor, final max, final sum
-
-// Registers per lane at launch (the most __launch_bounds__(kThreads, 1) leaves), which setmaxnreg
-// redistributes among the three warpgroups (Traits: 128 x (56 + 240 + 208) = 384 x 168).
-constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+constexpr int kHalfCols = kMlaCkvDim / 2;         // output columns per consumer warpgroup
+constexpr int kDTiles = kHalfCols / 8;            // 32 accumulator fragments of 8 columns
+constexpr int kKSteps = kMlaTokenDim / 16;        // 36 k-steps of S
+constexpr int kColumnBlocks = kMlaTokenDim / 64;  // 9 swizzled 128-byte column blocks
+constexpr int kRowsPerPass = 128 / 8;             // 8 producer lanes per row
 
 // Named barriers between the consumers (each counts both warpgroups' 256 threads).
 constexpr int kPFullBarrier = 1;   // P and the rescale factors of a tile are in shared memory
@@ -81,6 +72,17 @@ constexpr int kSumsBarrier = 4;    // each warpgroup's final row sums are in sha
 // schedule runs (kSeesaw: ConsumeSeesawA/B; otherwise ConsumeScores/ConsumeSecond).
 template <int kBlockN_, int kStages_, bool kSplitS_, bool kSeesaw_ = false, bool kTma_ = false>
 struct Traits {
+  static constexpr bool kNarrow = false;
+  static constexpr int kBlockM = 64;  // packed rows per CTA
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerWarps = 8;
+  // Registers per lane at launch (the most __launch_bounds__(kThreads, 1) leaves), which
+  // setmaxnreg redistributes among the three warpgroups (128 x (56 + 240 + 208) = 384 x 168).
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kQBlockBytes = kBlockM * 128;            // one column block of Q
+  static constexpr int kQBytes = kColumnBlocks * kQBlockBytes;  // 72 KiB
+  static constexpr int kPBytes = kBlockM * 64 * 2;  // P, bf16, one column block (up to 64 keys)
+  static constexpr int kRowFloats = 3 * kBlockM;    // per row: rescale factor, final max, final sum
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kSplitS = kSplitS_;
@@ -128,14 +130,14 @@ struct Smem {
   unsigned char* ptr;  // the same byte, generic
 
   __device__ uint32_t Q() const { return base; }
-  __device__ uint32_t Kv(int stage) const { return base + kQBytes + stage * T::kTileBytes; }
-  __device__ uint32_t P() const { return base + kQBytes + T::kStages * T::kTileBytes; }
+  __device__ uint32_t Kv(int stage) const { return base + T::kQBytes + stage * T::kTileBytes; }
+  __device__ uint32_t P() const { return base + T::kQBytes + T::kStages * T::kTileBytes; }
   __device__ unsigned char* PPtr() const { return ptr + (P() - base); }
-  __device__ float* Rows() const { return reinterpret_cast<float*>(PPtr() + kPBytes); }
+  __device__ float* Rows() const { return reinterpret_cast<float*>(PPtr() + T::kPBytes); }
   __device__ float* Alpha() const { return Rows(); }
-  __device__ float* FinalMax() const { return Rows() + kBlockM; }
-  __device__ float* FinalSum() const { return Rows() + 2 * kBlockM; }
-  __device__ uint32_t Barrier(int i) const { return P() + kPBytes + kRowFloats * 4 + 8 * i; }
+  __device__ float* FinalMax() const { return Rows() + T::kBlockM; }
+  __device__ float* FinalSum() const { return Rows() + 2 * T::kBlockM; }
+  __device__ uint32_t Barrier(int i) const { return P() + T::kPBytes + T::kRowFloats * 4 + 8 * i; }
   __device__ uint32_t QFull() const { return Barrier(0); }
   __device__ uint32_t KvFull(int stage, int cb) const {
     return Barrier(1 + stage * kColumnBlocks + cb);
@@ -144,11 +146,11 @@ struct Smem {
     return Barrier(1 + T::kStages * kColumnBlocks + stage * T::kReleases + half);
   }
   // The seesaw's.
-  __device__ uint32_t PbOverQ() const { return Q() + (kColumnBlocks - 1) * kQBlockBytes; }
+  __device__ uint32_t PbOverQ() const { return Q() + (kColumnBlocks - 1) * T::kQBlockBytes; }
   __device__ unsigned char* PbPtr() const { return ptr + (PbOverQ() - base); }
   __device__ const unsigned char* QRopePtr() const { return PbPtr(); }
-  __device__ float* RowMax() const { return Rows(); }             // [kBlockM]
-  __device__ float* RowSums() const { return Rows() + kBlockM; }  // [2][kBlockM]
+  __device__ float* RowMax() const { return Rows(); }                // [kBlockM]
+  __device__ float* RowSums() const { return Rows() + T::kBlockM; }  // [2][kBlockM]
 };
 
 struct Work {
@@ -169,7 +171,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   const int heads = p.num_heads;
 
 #pragma unroll
-  for (int i = 0; i < kQPasses; ++i) {
+  for (int i = 0; i < T::kBlockM / kRowsPerPass; ++i) {
     const int packed = w.item.row_begin + row0 + i * kRowsPerPass;
     const bool valid = packed < w.num_rows;  // tile padding is zero-filled
     const int64_t qrow = (int64_t{w.seq.q_begin} + packed / heads) * heads + packed % heads;
@@ -178,7 +180,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
 #pragma unroll
     for (int cb = 0; cb < kColumnBlocks; ++cb) {
       const bf16* src = cb < kColumnBlocks - 1 ? nope + cb * 64 : pe;
-      CopyAsync16(s.Q() + cb * kQBlockBytes + i * kRowsPerPass * 128 + lane_offset,
+      CopyAsync16(s.Q() + cb * T::kQBlockBytes + i * kRowsPerPass * 128 + lane_offset,
                   valid ? src : p.q_nope, valid);
     }
   }
@@ -370,7 +372,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     for (int ks = 0; ks < kKSteps; ++ks) {
       if (ks % 4 == 0) WaitFull(s, t, ks / 4);
       const uint32_t in_block = (ks % 4) * 32;
-      const uint64_t a = q_desc + (((ks / 4) * kQBlockBytes + in_block) >> 4);
+      const uint64_t a = q_desc + (((ks / 4) * T::kQBlockBytes + in_block) >> 4);
       const uint64_t b = k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4);
       if constexpr (T::kSplitS) {
         if (ks % 2 == 0) {
@@ -546,7 +548,7 @@ __device__ __forceinline__ void IssueScoresRopeInRegisters(float (&acc)[T::kNTil
     const uint32_t in_block = (j % 4) * 32;
     const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
     if (cb < kColumnBlocks - 1) {
-      const uint64_t a = q_desc + ((cb * kQBlockBytes + in_block) >> 4);
+      const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
       Wgmma<T::kBlockN>::SS(acc, a, b, j > 0 ? 1u : 0u);
     } else {
       Wgmma<T::kBlockN>::RS(acc, rope[j % 4], b);
@@ -579,15 +581,15 @@ __device__ __forceinline__ void SeesawFinish(const MlaParams& p, const Work& w, 
                                              int row_g, const RowSink& sink) {
   const float share[2] = {softmax.RowSum(0), softmax.RowSum(1)};
   if ((lane & 3) == 0) {
-    s.RowSums()[kWg * kBlockM + row_g] = share[0];
-    s.RowSums()[kWg * kBlockM + row_g + 8] = share[1];
+    s.RowSums()[kWg * T::kBlockM + row_g] = share[0];
+    s.RowSums()[kWg * T::kBlockM + row_g + 8] = share[1];
   }
   NamedBarrierSync(kSumsBarrier, 256);
   const float m[2] = {softmax.m[0], softmax.m[1]};
   float sums[2];
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
-    sums[x] = s.RowSums()[row_g + 8 * x] + s.RowSums()[kBlockM + row_g + 8 * x];
+    sums[x] = s.RowSums()[row_g + 8 * x] + s.RowSums()[T::kBlockM + row_g + 8 * x];
   }
   const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kWg * kHalfCols, lane,
@@ -815,8 +817,290 @@ __device__ __forceinline__ void ConsumeSeesawB(const MlaParams& p, const Work& w
   SeesawFinish<T, 1>(p, w, s, softmax, o, l.warp, lane, row_g, sink);
 }
 
+// ---- The transposed kernel for few heads (NarrowTraits). A decode of 8 to 32 heads fills only
+// that many of the 64 rows the kernels above give a tile, so they do 2-8x the tensor work the
+// heads need and are bound by it (16 heads: ~2.2 us per 64-key tile, where the tile's 72 KiB take
+// ~2.4 us at each SM's share of HBM: compute and copies barely overlap). Transposed, the keys are
+// the M side of every GEMM and the heads the N side:
+//   S^T (64 keys x kN heads) = K (64 x 576) Q^T,           36 wgmma m64nNk16, both K-major;
+//   O^T (512 columns x kN)  += V^T (512 x 64 keys) P^T,    8 column blocks x 4 k-steps, V^T
+//                                                          MN-major straight from the key tile,
+//                                                          P^T ([head][key], bf16) from shared
+//                                                          memory;
+// so the tensor work is that of the real heads, and a tile costs about a third of its copy time.
+// One consumer warpgroup does it all (O^T is 64-128 registers a lane); the producer warpgroup is
+// the one above (Produce), with Q only kN rows. The softmax runs down the columns: each head's
+// tile maximum is reduced over the lanes that hold it and then over the four warps through shared
+// memory (two buffers, by tile parity, so one barrier a tile suffices); the sums stay per lane
+// until the end. Rows are packed as everywhere (token x head), so a prefill runs correctly too;
+// it takes at most kMlaSm90NarrowMaxHeads heads, and the default takes it for decodes (api.cc).
+// On the H200 (bench/RESULTS.md): 16 heads, b64 x 4096, 102 -> 93 us; in the kernel DRAM at
+// 3.67 TB/s (76%) and L2 at 87% of its peak (ncu), and the two chunks' merge takes ~5 us more.
+// Tried and dropped: TMA tiles (1.5 us slower), 56-key tiles in three stages to keep more bytes
+// in flight (126 us, but its 2016-key chunks also made two waves of CTAs), launching the merge as
+// a programmatic dependent (no change).
+template <int kN_>
+struct NarrowTraits {
+  static constexpr bool kNarrow = true;
+  static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
+  static_assert(kN == 16 || kN == 32, "the widths of Wgmma<16> and Wgmma<32>");
+  static constexpr int kBlockM = kN;
+  static constexpr int kThreads = 256;  // the producer and one consumer warpgroup
+  static constexpr int kConsumerWarps = 4;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStages = 2;
+  static constexpr bool kSeesaw = false;
+  // cp.async, not TMA, at every page size: 1.5-1.8 us faster at 16 heads on the H200 (93.4 against
+  // 95.0 us, bench/RESULTS.md).
+  static constexpr bool kTma = false;
+  static constexpr int kReleases = 1;
+  static constexpr int kPoolRegisters = 0;  // no setmaxnreg: 256 lanes leave each 255 registers
+  static constexpr int kNTiles = kN / 8;    // 8-head fragments of S^T and O^T
+  static constexpr int kOBlocks = kMlaCkvDim / 64;  // O^T's 64-column blocks (wgmma's M)
+  static constexpr int kPSteps = kBlockN / 16;
+  static constexpr int kBlockBytes = kBlockN * 128;
+  static constexpr int kTileBytes = kColumnBlocks * kBlockBytes;
+  static constexpr int kKvPasses = kBlockN / kRowsPerPass;
+  static constexpr int kQBlockBytes = kN * 128;
+  static constexpr int kQBytes = kColumnBlocks * kQBlockBytes;
+  static constexpr int kPBytes = kN * kBlockN * 2;  // P^T: kN rows of 64 keys, one column block
+  // Per head: each warp's tile maximum for two tiles, each warp's final sum.
+  static constexpr int kRowFloats = (2 + 1) * kConsumerWarps * kN;
+  static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
+  static constexpr int kSmemBytes =
+      1024 + kQBytes + kStages * kTileBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+  // The epilogue stages the finished rows as floats over the key stages, rows 4 floats apart in
+  // banks (conflict-free for the fragments' stores, 16-byte aligned for the rows' loads).
+  static constexpr int kStagingStride = kMlaCkvDim + 4;
+  static_assert(kN * kStagingStride * 4 <= kStages * kTileBytes);
+};
+
+// The consumer warpgroup's named barriers (128 threads each).
+constexpr int kNarrowMaxBarrier = 1;  // every warp's tile maxima are in shared memory
+constexpr int kNarrowPBarrier = 2;    // P^T is in shared memory (also: the epilogue's steps)
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
+__device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w, const Smem<T>& s,
+                                              int ctid, const RowSink& launch_sink) {
+  constexpr int kN = T::kN, kNT = T::kNTiles;
+  const RowSink sink = launch_sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
+  const int warp = ctid / 32, lane = ctid % 32;
+  const float scale_log2 = p.sm_scale * kLog2e;
+  const int item_rows = min(kN, w.num_rows - w.item.row_begin);
+  // The lane's heads (columns of S^T and O^T): 8 j + 2 (lane % 4) + e. Its keys (rows of S^T) in
+  // a tile: 16 warp + lane / 4 and 8 further (fragment entries c < 2 and c >= 2).
+  auto head = [&](int j, int e) { return 8 * j + 2 * (lane & 3) + e; };
+  const int key0 = 16 * warp + lane / 4;
+  int limit[kNT][2];  // keys [0, limit) of the item's range that the head's row sees
+  int min_limit = w.item.kv_end;
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = w.item.row_begin + head(j, e);
+      limit[j][e] = r < w.num_rows
+                        ? min(VisibleKeys(w.seq, r / p.num_heads, p.causal), w.item.kv_end)
+                        : w.item.kv_end;
+      min_limit = min(min_limit, limit[j][e]);
+    }
+  }
+
+  float o[T::kOBlocks][kNT][4] = {};
+  float acc[kNT][4];
+  float m[kNT][2], d[kNT][2];  // per head: running max of s' and this lane's share of the sum
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+    m[j][0] = m[j][1] = -INFINITY;
+    d[j][0] = d[j][1] = 0.f;
+  }
+  float* const warp_max = s.Rows();                               // [2 tiles][warps][kN]
+  float* const warp_sum = warp_max + 2 * T::kConsumerWarps * kN;  // [warps][kN]
+  unsigned char* const pt = s.PPtr();
+
+  const uint64_t q_desc0 = KMajorDescriptor(s.Q());
+  auto issue_s = [&](int t) {
+    const uint64_t q_desc = Opaque(q_desc0);  // as in ConsumeScores: not 36 live descriptors
+    const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      if (ks % 4 == 0) WaitFull(s, t, ks / 4);
+      const uint32_t in_block = (ks % 4) * 32;
+      const uint64_t a = k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4);
+      const uint64_t b = q_desc + (((ks / 4) * T::kQBlockBytes + in_block) >> 4);
+      Wgmma<kN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
+    }
+  };
+  auto issue_pv = [&](int t) {
+    const uint32_t v = s.Kv(t % T::kStages);
+#pragma unroll
+    for (int ks = 0; ks < T::kPSteps; ++ks) {
+      const uint64_t b = KMajorDescriptor(s.P() + ks * 32);
+#pragma unroll
+      for (int mb = 0; mb < T::kOBlocks; ++mb) {
+        Wgmma<kN>::SSTransA(
+            o[mb], MnMajorDescriptor(v + mb * T::kBlockBytes + ks * 2048, T::kBlockBytes), b);
+      }
+    }
+  };
+  auto pin_o = [&] {
+#pragma unroll
+    for (int mb = 0; mb < T::kOBlocks; ++mb) PinRegisters(o[mb]);
+  };
+  // Tile t's scores become P^T in shared memory; O^T and the sums are rescaled to the new maxima.
+  // OnlineSoftmax's rules (TileMax, Rescale, Exponentiate), down columns instead of along rows.
+  auto softmax = [&](int t) {
+    const int tile_key0 = w.item.kv_begin + t * T::kBlockN;
+    if (tile_key0 + T::kBlockN > min_limit) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (tile_key0 + key0 + 8 * (c >> 1) >= limit[j][c & 1]) acc[j][c] = -INFINITY;
+        }
+      }
+    }
+    float* const maxima = warp_max + (t & 1) * T::kConsumerWarps * kN;
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v;
+        if (scale_log2 > 0.f) {
+          v = fmaxf(acc[j][e], acc[j][e + 2]) * scale_log2;
+        } else {
+#pragma unroll
+          for (int c = e; c < 4; c += 2) {
+            acc[j][c] = acc[j][c] == -INFINITY ? -INFINITY : acc[j][c] * scale_log2;
+          }
+          v = fmaxf(acc[j][e], acc[j][e + 2]);
+        }
+#pragma unroll
+        for (int x = 4; x < 32; x *= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, x));
+        if (lane < 4) maxima[warp * kN + head(j, e)] = v;
+      }
+    }
+    NamedBarrierSync(kNarrowMaxBarrier, 128);
+    const float scale = scale_log2 > 0.f ? scale_log2 : 1.f;
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int h = head(j, e);
+        float tile_max = maxima[h];
+#pragma unroll
+        for (int x = 1; x < T::kConsumerWarps; ++x) tile_max = fmaxf(tile_max, maxima[x * kN + h]);
+        const float m_new = fmaxf(m[j][e], tile_max);
+        const float base = ExpBase(m_new);
+        const float alpha = Exp2(m[j][e] - base);
+        m[j][e] = m_new;
+        acc[j][e] = Exp2(fmaf(acc[j][e], scale, -base));
+        acc[j][e + 2] = Exp2(fmaf(acc[j][e + 2], scale, -base));
+        d[j][e] = d[j][e] * alpha + (acc[j][e] + acc[j][e + 2]);
+#pragma unroll
+        for (int mb = 0; mb < T::kOBlocks; ++mb) {
+          o[mb][j][e] *= alpha;
+          o[mb][j][e + 2] *= alpha;
+        }
+      }
+    }
+    // P^T, [head][key] in the 128-byte swizzle: the K-major B operand of P V.
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int h = head(j, c & 1), k = key0 + 8 * (c >> 1);
+        *reinterpret_cast<uint16_t*>(pt + h * 128 + (((k >> 3) ^ (h & 7)) << 4) + (k & 7) * 2) =
+            __bfloat16_as_ushort(__float2bfloat16_rn(acc[j][c]));
+      }
+    }
+    FenceProxyAsync();  // P^T's ordinary stores before the wgmma reads them
+    NamedBarrierSync(kNarrowPBarrier, 128);
+  };
+
+  if (w.num_tiles > 0) {
+    BarrierWait(s.QFull(), 0);
+    WgmmaFence();
+    issue_s(0);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    PinRegisters(acc);
+    softmax(0);
+    // P V of tile t, then (kMore) S of tile t + 1 on the other stage: tile t's stage is released
+    // as soon as P V is done, S of tile t + 1 runs meanwhile. Every warp passes the wait for P V
+    // before the next tile's maximum barrier, so P^T is not overwritten under a running GEMM.
+    // The last tile is peeled off (no GEMM issued conditionally: see ConsumeScores).
+    auto step = [&](int t, auto more) {
+      constexpr bool kMore = decltype(more)::value;
+      WgmmaFence();
+      issue_pv(t);
+      WgmmaCommit();
+      if constexpr (kMore) {
+        issue_s(t + 1);
+        WgmmaCommit();
+        WgmmaWait<1>();
+      } else {
+        WgmmaWait<0>();
+      }
+      pin_o();
+      Release(s, t, lane);
+      if constexpr (kMore) {
+        WgmmaWait<0>();
+        PinRegisters(acc);
+        softmax(t + 1);
+      }
+    };
+    for (int t = 0; t + 1 < w.num_tiles; ++t) step(t, std::true_type());
+    step(w.num_tiles - 1, std::false_type());
+  }
+
+  // Each head's sum: over the lanes that hold it, then over the warps. The barrier also means
+  // every warp's GEMMs are done, so the staging may overlay the key stages.
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = d[j][e];
+#pragma unroll
+      for (int x = 4; x < 32; x *= 2) v += __shfl_xor_sync(0xffffffffu, v, x);
+      if (lane < 4) warp_sum[warp * kN + head(j, e)] = v;
+    }
+  }
+  NamedBarrierSync(kNarrowPBarrier, 128);
+  float* const staging = reinterpret_cast<float*>(s.ptr + (s.Kv(0) - s.base));
+#pragma unroll
+  for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = head(j, e);
+      float v = warp_sum[h];
+#pragma unroll
+      for (int x = 1; x < T::kConsumerWarps; ++x) v += warp_sum[x * kN + h];
+      const int packed = w.item.row_begin + h;
+      const float inv = h < item_rows ? sink.Inverse(packed, m[j][e], v) : 0.f;
+#pragma unroll
+      for (int mb = 0; mb < T::kOBlocks; ++mb) {
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          // O^T's rows are output columns, as S^T's are keys.
+          staging[h * T::kStagingStride + 64 * mb + key0 + 8 * x] = o[mb][j][e + 2 * x] * inv;
+        }
+      }
+      if (warp == 0 && lane < 4 && h < item_rows) {
+        sink.StoreLse(packed, sink.Row(packed), m[j][e], v);
+      }
+    }
+  }
+  NamedBarrierSync(kNarrowPBarrier, 128);
+  // Each lane stores 4 columns of every row: whole rows, 16 bytes a lane.
+  for (int h = 0; h < item_rows; ++h) {
+    const float4 v = *reinterpret_cast<const float4*>(staging + h * T::kStagingStride + 4 * ctid);
+    sink.StoreColumns<4>(sink.Row(w.item.row_begin + h), 4 * ctid, {v.x, v.y, v.z, v.w}, 1.f);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1)
     MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, RowSink sink,
                   const __grid_constant__ CUtensorMap kv_map, bool use_tma) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -836,14 +1120,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < T::kStages; ++i) {
       for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
       // One arrival per consumer warp (kSeesaw: of the warpgroup that finishes the half).
-      for (int h = 0; h < T::kReleases; ++h) BarrierInit(s.KvEmpty(i, h), 8 / T::kReleases);
+      for (int h = 0; h < T::kReleases; ++h) {
+        BarrierInit(s.KvEmpty(i, h), T::kConsumerWarps / T::kReleases);
+      }
     }
   }
   __syncthreads();
 
   if (tid < 128) {
-    ReleaseRegisters<T::kProducerRegisters>();
+    if constexpr (!T::kNarrow) ReleaseRegisters<T::kProducerRegisters>();
     Produce<T>(p, w, s, kv_map, use_tma, tid);
+  } else if constexpr (T::kNarrow) {
+    ConsumeNarrow<T>(p, w, s, tid - 128, sink);
   } else if (tid < 256) {
     ClaimRegisters<T::kFirstRegisters>();
     if constexpr (T::kSeesaw) {
@@ -897,6 +1185,7 @@ struct Config {
   static constexpr auto kKernel = MlaSm90Kernel<T>;
 
   static cudaError_t Launch(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+    if (T::kNarrow && p.num_heads > kMlaSm90NarrowMaxHeads) return cudaErrorInvalidValue;
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink = RowSink::ForMla(p, plan);
     // TMA where whole tiles lie in pages and the map's row coordinates fit its 32 bits.
@@ -905,23 +1194,37 @@ struct Config {
         T::kTma && p.cache.page_size % T::kBlockN == 0 &&
         int64_t{p.cache.num_layers} * p.cache.num_pages * p.cache.page_size <= INT32_MAX;
     if (use_tma) ATTN_CUDA_RETURN_IF_ERROR(EncodeKvMap(p.cache, &kv_map));
-    kKernel<<<plan.num_items, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map,
-                                                                 use_tma);
+    kKernel<<<plan.num_items, T::kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map,
+                                                                    use_tma);
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
   }
 
-  static cudaError_t Tiling(bool decode, KernelTiling* tiling) {
+  static cudaError_t Tiling(int num_heads, bool decode, KernelTiling* tiling) {
+    if (T::kNarrow && num_heads > kMlaSm90NarrowMaxHeads) return cudaErrorNotSupported;
     // The register split assumes the compiler gave the kernel the whole launch bound.
     cudaFuncAttributes attributes;
     ATTN_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attributes, kKernel));
-    if (attributes.numRegs * kThreads < T::kPoolRegisters) return cudaErrorNotSupported;
-    // As the portable kernel: a chunk's 64 x 512 float partials cost little next to 1024 keys.
-    tiling->min_chunk_len = 1024;
-    // One CTA per SM, each streaming a whole sequence: a decode of 128 heads x 128 sequences is
-    // 256 CTAs, two full waves, which splitting would only cut into more waves plus a merge.
-    if (decode) tiling->waves_before_split = 1.0;
-    return DescribeKernel(kKernel, kThreads, T::kSmemBytes, kBlockM, T::kBlockN, tiling);
+    if (attributes.numRegs * T::kThreads < T::kPoolRegisters) return cudaErrorNotSupported;
+    if constexpr (T::kNarrow) {
+      // Memory-bound: one wave of CTAs keeps HBM busy, and a second wave would only add each
+      // CTA's start (Q and the first tile's latency). So a decode is split into about one wave
+      // of chunks, none shorter than 512 keys (a chunk's kN x 512 float partials are 1/18 of
+      // its keys' bytes at 16 heads). b64 x 4096 at 16 heads: 2 chunks of 2048, 128 CTAs.
+      tiling->min_chunk_len = 512;
+      if (decode) {
+        tiling->waves_before_split = 1.0;
+        tiling->target_waves = 1.0;
+      }
+    } else {
+      // As the portable kernel: a chunk's 64 x 512 float partials cost little next to 1024 keys.
+      tiling->min_chunk_len = 1024;
+      // One CTA per SM, each streaming a whole sequence: a decode of 128 heads x 128 sequences
+      // is 256 CTAs, two full waves, which splitting would only cut into more waves plus a
+      // merge.
+      if (decode) tiling->waves_before_split = 1.0;
+    }
+    return DescribeKernel(kKernel, T::kThreads, T::kSmemBytes, T::kBlockM, T::kBlockN, tiling);
   }
 };
 
@@ -938,6 +1241,10 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<64, 2, true, false, true>>());
     case kMlaSm90SeesawTma:
       return fn(Config<Traits<64, 2, false, true, true>>());
+    case kMlaSm90Narrow16:
+      return fn(Config<NarrowTraits<16>>());
+    case kMlaSm90Narrow32:
+      return fn(Config<NarrowTraits<32>>());
     default:
       return cudaErrorInvalidValue;
   }
@@ -951,8 +1258,9 @@ cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream
   return sm90::WithConfig(variant, [&](auto config) { return config.Launch(p, plan, stream); });
 }
 
-cudaError_t MlaSm90Tiling(int variant, bool decode, KernelTiling* tiling) {
-  return sm90::WithConfig(variant, [&](auto config) { return config.Tiling(decode, tiling); });
+cudaError_t MlaSm90Tiling(int variant, int num_heads, bool decode, KernelTiling* tiling) {
+  return sm90::WithConfig(variant,
+                          [&](auto config) { return config.Tiling(num_heads, decode, tiling); });
 }
 
 }  // namespace attn::cuda

@@ -13,6 +13,8 @@
 #include <cstdint>
 
 // "%0, ..., %(n-1)": the accumulator registers of an n-register D.
+#define ATTN_WGMMA_D8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define ATTN_WGMMA_D16 ATTN_WGMMA_D8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define ATTN_WGMMA_D32                                                     \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -31,8 +33,10 @@
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
-// The matching asm operands: 4, 32, 64 or 128 accumulators d[j][0..3].
+// The matching asm operands: 4, 8, 16, 32, 64 or 128 accumulators d[j][0..3].
 #define ATTN_WGMMA_ACC4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define ATTN_WGMMA_ACC8(j) ATTN_WGMMA_ACC4(j), ATTN_WGMMA_ACC4(j + 1)
+#define ATTN_WGMMA_ACC16(j) ATTN_WGMMA_ACC8(j), ATTN_WGMMA_ACC8(j + 2)
 #define ATTN_WGMMA_ACC32(j)                                                                   \
   ATTN_WGMMA_ACC4(j), ATTN_WGMMA_ACC4(j + 1), ATTN_WGMMA_ACC4(j + 2), ATTN_WGMMA_ACC4(j + 3), \
       ATTN_WGMMA_ACC4(j + 4), ATTN_WGMMA_ACC4(j + 5), ATTN_WGMMA_ACC4(j + 6),                 \
@@ -44,6 +48,54 @@ namespace attn::cuda::sm90 {
 
 template <int kN>
 struct Wgmma;
+
+// The narrow widths of the transposed MLA decode (kernels/cuda/sm90/mla_sm90.cu: keys or output
+// columns as M, the heads as N).
+template <>
+struct Wgmma<16> {
+  // D (64 x 16, fp32) = A * B (+ D when accumulate): A and B from shared memory, both K-major.
+  __device__ __forceinline__ static void SS(float (&d)[2][4], uint64_t a, uint64_t b,
+                                            uint32_t accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {" ATTN_WGMMA_D8
+        "}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : ATTN_WGMMA_ACC8(0)
+        : "l"(a), "l"(b), "r"(accumulate));
+  }
+  // D (64 x 16, fp32) += A * B: A from shared memory, MN-major (transposed), B K-major.
+  __device__ __forceinline__ static void SSTransA(float (&d)[2][4], uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {" ATTN_WGMMA_D8
+        "}, %8, %9, 1, 1, 1, 1, 0;\n}\n"
+        : ATTN_WGMMA_ACC8(0)
+        : "l"(a), "l"(b));
+  }
+};
+
+template <>
+struct Wgmma<32> {
+  // D (64 x 32, fp32) = A * B (+ D when accumulate): A and B from shared memory, both K-major.
+  __device__ __forceinline__ static void SS(float (&d)[4][4], uint64_t a, uint64_t b,
+                                            uint32_t accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" ATTN_WGMMA_D16
+        "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : ATTN_WGMMA_ACC16(0)
+        : "l"(a), "l"(b), "r"(accumulate));
+  }
+  // D (64 x 32, fp32) += A * B: A from shared memory, MN-major (transposed), B K-major.
+  __device__ __forceinline__ static void SSTransA(float (&d)[4][4], uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" ATTN_WGMMA_D16
+        "}, %16, %17, 1, 1, 1, 1, 0;\n}\n"
+        : ATTN_WGMMA_ACC16(0)
+        : "l"(a), "l"(b));
+  }
+};
 
 template <>
 struct Wgmma<64> {
@@ -128,10 +180,14 @@ struct Wgmma<256> {
 
 }  // namespace attn::cuda::sm90
 
+#undef ATTN_WGMMA_D8
+#undef ATTN_WGMMA_D16
 #undef ATTN_WGMMA_D32
 #undef ATTN_WGMMA_D64
 #undef ATTN_WGMMA_D128
 #undef ATTN_WGMMA_ACC4
+#undef ATTN_WGMMA_ACC8
+#undef ATTN_WGMMA_ACC16
 #undef ATTN_WGMMA_ACC32
 #undef ATTN_WGMMA_ACC64
 #undef ATTN_WGMMA_ACC128
