@@ -26,8 +26,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "google/protobuf/descriptor.h"
 #include "absl/synchronization/notification.h"
+#include "google/protobuf/descriptor.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/grpcpp.h"
 #include "server/api/config.h"
@@ -39,6 +39,7 @@
 #include "server/rpc/health.h"
 #include "server/rpc/reflection.h"
 #include "server/rpc/service.h"
+#include "server/rpc/transport_args.h"
 
 // Sentinels ("" and -1) mean "not given": the config file or the embedded default applies.
 ABSL_FLAG(std::string, config, "", "Text-format attnserve.v1.ServerConfig file");
@@ -186,16 +187,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::T
   return grpc::SslServerCredentials(ssl);
 }
 
-// HTTP/2 settings for messages of megabytes (prefill q and K/V): the largest frames HTTP/2
-// allows and large socket reads, so a message is not cut into 16 KiB frames and 8 KiB reads.
-// Measured in bench/RESULTS.md ("bytes path").
-void TuneTransport(grpc::ServerBuilder& builder) {
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
-  builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, 4 << 20);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 << 20);
-}
-
 // Sets the socket file's mode of a unix:PATH address (the umask applied while it was created).
 absl::Status SetSocketMode(const std::string& listen, int mode) {
   const std::string path = listen.substr(std::string("unix:").size());
@@ -267,7 +258,7 @@ int Run() {
   builder.AddListeningPort(options->listen_address, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options->max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options->max_message_bytes));
-  TuneTransport(builder);
+  builder.SetOption(BulkTransportOption());  // frame, read and unix socket buffer sizes
   builder.RegisterService(&service);
   builder.RegisterService(&main_health);
   builder.RegisterService(reflection.v1());
