@@ -412,6 +412,12 @@ void RateLimitedProtobufLog(google::protobuf::LogLevel level, const char* file, 
 }  // namespace attn
 
 int main(int argc, char** argv) {
+#ifdef NDEBUG
+  // Debian builds Abseil without NDEBUG, which leaves absl::Mutex's deadlock detection on: every
+  // lock of gRPC's and ours then updates one process-wide graph of lock order under a global
+  // lock. A debugging aid for debug builds; release builds go without it.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
   // Buffers of a MiB or more (requests, responses, scratch of large calls) are mapped and
   // unmapped on their own instead of coming from the heap: glibc's adaptive threshold would
   // otherwise rise to 32 MiB after the first large free, and a 98 MiB call left the process
