@@ -52,12 +52,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/cpp/call_queue_client.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/attnserve/v1/call_queue.h"
 #include "server/rpc/tensor_message.h"
+#include "server/rpc/transport_args.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50051", "Server address");
 ABSL_FLAG(std::string, pool, "", "Pool (empty: the server's only pool)");
@@ -120,11 +122,8 @@ std::unique_ptr<v1::AttentionService::Stub> Connect(
   args.SetMaxSendMessageSize(-1);
   // A connection per client, as separate scheduler processes would have.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  // Sized for messages of megabytes, as the server's side (server/main.cc TuneTransport).
-  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
-  args.SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, 4 << 20);
-  args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
-  args.SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 << 20);
+  // Sized for messages of megabytes, as the server's side (server/rpc/transport_args.h).
+  SetBulkTransportArgs(&args);
   for (const std::string& arg : absl::GetFlag(FLAGS_channel_args)) {
     const std::vector<std::string> kv = absl::StrSplit(arg, absl::MaxSplits('=', 1));
     int value = 0;
@@ -871,6 +870,11 @@ int Main() {
 }  // namespace attn::bench
 
 int main(int argc, char** argv) {
+#ifdef NDEBUG
+  // Without the lock-order graph Debian's Abseil keeps behind every absl::Mutex (gRPC's too),
+  // as the server (server/main.cc).
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
   absl::ParseCommandLine(argc, argv);
   return attn::bench::Main();
 }

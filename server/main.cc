@@ -26,8 +26,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "google/protobuf/descriptor.h"
 #include "absl/synchronization/notification.h"
+#include "google/protobuf/descriptor.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpcpp/grpcpp.h"
 #include "server/api/config.h"
@@ -39,6 +39,7 @@
 #include "server/rpc/health.h"
 #include "server/rpc/reflection.h"
 #include "server/rpc/service.h"
+#include "server/rpc/transport_args.h"
 
 // Sentinels ("" and -1) mean "not given": the config file or the embedded default applies.
 ABSL_FLAG(std::string, config, "", "Text-format attnserve.v1.ServerConfig file");
@@ -186,16 +187,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::T
   return grpc::SslServerCredentials(ssl);
 }
 
-// HTTP/2 settings for messages of megabytes (prefill q and K/V): the largest frames HTTP/2
-// allows and large socket reads, so a message is not cut into 16 KiB frames and 8 KiB reads.
-// Measured in bench/RESULTS.md ("bytes path").
-void TuneTransport(grpc::ServerBuilder& builder) {
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
-  builder.AddChannelArgument(GRPC_ARG_TCP_READ_CHUNK_SIZE, 4 << 20);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 << 20);
-}
-
 // Sets the socket file's mode of a unix:PATH address (the umask applied while it was created).
 absl::Status SetSocketMode(const std::string& listen, int mode) {
   const std::string path = listen.substr(std::string("unix:").size());
@@ -267,7 +258,7 @@ int Run() {
   builder.AddListeningPort(options->listen_address, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options->max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options->max_message_bytes));
-  TuneTransport(builder);
+  builder.SetOption(BulkTransportOption());  // frame, read and unix socket buffer sizes
   builder.RegisterService(&service);
   builder.RegisterService(&main_health);
   builder.RegisterService(reflection.v1());
@@ -421,11 +412,25 @@ void RateLimitedProtobufLog(google::protobuf::LogLevel level, const char* file, 
 }  // namespace attn
 
 int main(int argc, char** argv) {
+#ifdef NDEBUG
+  // Debian builds Abseil without NDEBUG, which leaves absl::Mutex's deadlock detection on: every
+  // lock of gRPC's and ours then updates one process-wide graph of lock order under a global
+  // lock. A debugging aid for debug builds; release builds go without it.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
   // Buffers of a MiB or more (requests, responses, scratch of large calls) are mapped and
   // unmapped on their own instead of coming from the heap: glibc's adaptive threshold would
   // otherwise rise to 32 MiB after the first large free, and a 98 MiB call left the process
   // about 350 MiB larger for good.
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
+  // Fixing that threshold also fixes glibc's trim threshold at 128 KiB, and every call's freed
+  // socket reads (gRPC reads into 64 KiB pieces of the reading thread's arena) went back to the
+  // system at once, to be faulted in again by the next call: 20-50 faults per batch-64 decode on
+  // the 2-core VM. Up to 8 MiB of an arena's free top stays for the next call; beyond that, and
+  // for memory in the middle of a heap, AllocatorTrimmer trims once large calls stop (a larger
+  // threshold would keep a large call's reads for good: glibc trims other threads' arena tops
+  // only when they free, never in malloc_trim).
+  mallopt(M_TRIM_THRESHOLD, 8 << 20);
   google::protobuf::SetLogHandler(&attn::RateLimitedProtobufLog);
   absl::SetProgramUsageMessage("attnserve [--config=FILE] [--listen_address=HOST:PORT] ...");
   // --help lists the flags of files whose name matches the program's by default (attnserve.cc);

@@ -2,11 +2,16 @@
 
 #include <malloc.h>
 
+#include <utility>
+
 #include "absl/time/clock.h"
 
 namespace attn {
 
-AllocatorTrimmer::AllocatorTrimmer() : thread_([this] { Loop(); }) {}
+AllocatorTrimmer::AllocatorTrimmer(absl::Duration quiet, std::function<void()> trim)
+    : quiet_(quiet),
+      trim_(trim ? std::move(trim) : [] { malloc_trim(0); }),
+      thread_([this] { Loop(); }) {}
 
 AllocatorTrimmer::~AllocatorTrimmer() {
   {
@@ -19,6 +24,7 @@ AllocatorTrimmer::~AllocatorTrimmer() {
 void AllocatorTrimmer::LargeCallEnded() {
   absl::MutexLock lock(&mu_);
   pending_ = true;
+  last_ = absl::Now();
 }
 
 void AllocatorTrimmer::Loop() {
@@ -27,13 +33,14 @@ void AllocatorTrimmer::Loop() {
     mu_.Await(absl::Condition(
         +[](AllocatorTrimmer* t) ABSL_NO_THREAD_SAFETY_ANALYSIS { return t->pending_ || t->stop_; },
         this));
-    if (stop_) return;
-    // Let the call's last buffers go first (gRPC frees what it sent after the call ended).
-    mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(200));
+    // Each large call that ends meanwhile moves the deadline.
+    while (!stop_ && absl::Now() < last_ + quiet_) {
+      mu_.AwaitWithDeadline(absl::Condition(&stop_), last_ + quiet_);
+    }
     if (stop_) return;
     pending_ = false;
     mu_.Unlock();
-    malloc_trim(0);
+    trim_();
     mu_.Lock();
   }
 }

@@ -40,6 +40,21 @@ def test_serves_on_a_unix_socket_with_its_mode_and_metrics(private, tmp_path) ->
     assert sample(server.metrics(), "attn_rpc_duration_seconds_count", method="Decode") >= 1
 
 
+def test_messages_larger_than_the_socket_buffers_cross_a_unix_socket(private, tmp_path) -> None:
+    # 2048 sequences: 2 MiB of q in and 2 MiB of output back, several times the system's default
+    # unix socket buffer and half of what the server asks for (server/rpc/transport_args.h).
+    c = config()
+    c.pools[0].num_pages = 2048
+    server = private(c, f"--listen_address=unix:{tmp_path}/attn.sock")
+    with Client(server.address) as client:
+        session = PoolSession(client, client.server_info().pools[0], seed=5)
+        seqs = list(range(2048))
+        session.grow(seqs, [1] * len(seqs))
+        result = session.decode(seqs)  # checked against the reference
+        assert result.output.nbytes >= 2 << 20
+        session.close()
+
+
 def test_metrics_address_is_its_own(private) -> None:
     from launcher import free_port
 
