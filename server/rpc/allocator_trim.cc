@@ -1,5 +1,6 @@
 #include "server/rpc/allocator_trim.h"
 
+#include <dlfcn.h>
 #include <malloc.h>
 
 #include <utility>
@@ -7,10 +8,24 @@
 #include "absl/time/clock.h"
 
 namespace attn {
+namespace {
+
+// The allocator the process runs on gives its free memory back: jemalloc (when preloaded, its
+// mallctl is found) purges the unused pages of every arena; glibc trims its heaps.
+void ReleaseFreeMemory() {
+  using Mallctl = int (*)(const char*, void*, size_t*, void*, size_t);
+  static const auto mallctl = reinterpret_cast<Mallctl>(dlsym(RTLD_DEFAULT, "mallctl"));
+  constexpr char kPurgeAllArenas[] = "arena.4096.purge";  // MALLCTL_ARENAS_ALL
+  if (mallctl == nullptr || mallctl(kPurgeAllArenas, nullptr, nullptr, nullptr, 0) != 0) {
+    malloc_trim(0);
+  }
+}
+
+}  // namespace
 
 AllocatorTrimmer::AllocatorTrimmer(absl::Duration quiet, std::function<void()> trim)
     : quiet_(quiet),
-      trim_(trim ? std::move(trim) : [] { malloc_trim(0); }),
+      trim_(trim ? std::move(trim) : ReleaseFreeMemory),
       thread_([this] { Loop(); }) {}
 
 AllocatorTrimmer::~AllocatorTrimmer() {

@@ -19,8 +19,9 @@ namespace attn {
 
 class AllocatorTrimmer {
  public:
-  // `trim` gives the memory back (glibc's malloc_trim by default); it runs on the trimmer's
-  // thread once no large call has ended for `quiet`.
+  // `trim` gives the memory back (by default glibc's malloc_trim, or jemalloc's purge of every
+  // arena when the process runs on jemalloc); it runs on the trimmer's thread once no large call
+  // has ended for `quiet`.
   explicit AllocatorTrimmer(absl::Duration quiet = absl::Milliseconds(200),
                             std::function<void()> trim = nullptr);
   ~AllocatorTrimmer();  // stops the thread; a trim still waiting does not run
