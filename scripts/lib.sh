@@ -18,6 +18,7 @@ APT_PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev prometheus-cpp-dev googletest libgtest-dev libgmock-dev libbenchmark-dev
   prometheus clang-14 libclang-rt-14-dev
+  libjemalloc2  # tests/e2e/test_isolation.py runs the server on it too (LD_PRELOAD)
 )
 
 install_packages() {
