@@ -49,9 +49,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/cpp/call_queue_client.h"
@@ -124,14 +122,9 @@ std::unique_ptr<v1::AttentionService::Stub> Connect(
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   // Sized for messages of megabytes, as the server's side (server/rpc/transport_args.h).
   SetBulkTransportArgs(&args);
-  for (const std::string& arg : absl::GetFlag(FLAGS_channel_args)) {
-    const std::vector<std::string> kv = absl::StrSplit(arg, absl::MaxSplits('=', 1));
-    int value = 0;
-    if (kv.size() != 2 || !absl::SimpleAtoi(kv[1], &value)) {
-      std::fprintf(stderr, "--channel_args: %s is not NAME=INTEGER\n", arg.c_str());
-      std::exit(2);
-    }
-    args.SetInt(kv[0], value);
+  if (absl::Status st = AddIntChannelArgs(absl::GetFlag(FLAGS_channel_args), &args); !st.ok()) {
+    std::fprintf(stderr, "--channel_args: %s\n", std::string(st.message()).c_str());
+    std::exit(2);
   }
   std::shared_ptr<grpc::Channel> c =
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -85,6 +86,10 @@ ABSL_FLAG(bool, cuda_single_stream, false,
 ABSL_FLAG(int64_t, cuda_direct_output_min_bytes, -1,
           "A one-call decode whose output goes to a shared-memory region of at least this many "
           "bytes has the kernels write it there (0: never; default 1 MiB)");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "Integer gRPC channel arguments of the server's port, NAME=VALUE,... (they override the "
+          "HTTP/2 and TCP sizes set for MB messages, server/rpc/transport_args.h; e.g. "
+          "grpc.http2.lookahead_bytes=67108864)");
 
 namespace attn {
 namespace {
@@ -202,6 +207,11 @@ int Run() {
     std::cerr << "attnserve: " << options.status() << "\n";
     return 2;
   }
+  grpc::ChannelArguments checked;  // the server's own are built later, by the builder
+  if (absl::Status st = AddIntChannelArgs(absl::GetFlag(FLAGS_grpc_arg), &checked); !st.ok()) {
+    std::cerr << "attnserve: --grpc_arg: " << st.message() << "\n";
+    return 2;
+  }
   ShutdownRequest shutdown;
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       CreateBackend(options->backend, [&](const absl::Status& error) {
@@ -258,7 +268,8 @@ int Run() {
   builder.AddListeningPort(options->listen_address, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options->max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options->max_message_bytes));
-  builder.SetOption(BulkTransportOption());  // frame, read and unix socket buffer sizes
+  // Frame, read and unix socket buffer sizes, then the operator's overrides.
+  builder.SetOption(BulkTransportOption(absl::GetFlag(FLAGS_grpc_arg)));
   builder.RegisterService(&service);
   builder.RegisterService(&main_health);
   builder.RegisterService(reflection.v1());

@@ -2,6 +2,11 @@
 
 #include <sys/socket.h>
 
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "grpc/grpc.h"
 #include "grpc/support/sync.h"
 
@@ -71,8 +76,16 @@ grpc_socket_mutator* NewUnixBufferMutator(int bytes) {
 
 class BulkTransport final : public grpc::ServerBuilderOption {
  public:
-  void UpdateArguments(grpc::ChannelArguments* args) override { SetBulkTransportArgs(args); }
+  explicit BulkTransport(std::vector<std::string> overrides) : overrides_(std::move(overrides)) {}
+  void UpdateArguments(grpc::ChannelArguments* args) override {
+    SetBulkTransportArgs(args);
+    // Checked when the option was made (the server refuses to start on a bad one).
+    AddIntChannelArgs(overrides_, args).IgnoreError();
+  }
   void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>*) override {}
+
+ private:
+  const std::vector<std::string> overrides_;
 };
 
 }  // namespace
@@ -101,8 +114,23 @@ void SetBulkTransportArgs(grpc::ChannelArguments* args) {
   args->SetSocketMutator(NewUnixBufferMutator(kUnixSocketBufferBytes));
 }
 
-std::unique_ptr<grpc::ServerBuilderOption> BulkTransportOption() {
-  return std::make_unique<BulkTransport>();
+absl::Status AddIntChannelArgs(const std::vector<std::string>& text, grpc::ChannelArguments* args) {
+  std::vector<std::pair<std::string, int>> parsed;
+  for (const std::string& arg : text) {
+    const std::vector<std::string> kv = absl::StrSplit(arg, absl::MaxSplits('=', 1));
+    int value = 0;
+    if (kv.size() != 2 || kv[0].empty() || !absl::SimpleAtoi(kv[1], &value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("channel argument \"", arg, "\" is not NAME=INTEGER"));
+    }
+    parsed.emplace_back(kv[0], value);
+  }
+  for (const auto& [name, value] : parsed) args->SetInt(name, value);
+  return absl::OkStatus();
+}
+
+std::unique_ptr<grpc::ServerBuilderOption> BulkTransportOption(std::vector<std::string> overrides) {
+  return std::make_unique<BulkTransport>(std::move(overrides));
 }
 
 }  // namespace attn

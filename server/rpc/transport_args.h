@@ -16,7 +16,10 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/support/channel_arguments.h"
 
@@ -30,8 +33,16 @@ inline constexpr int kUnixSocketBufferBytes = 4 << 20;
 // Sets the frame and read sizes above and the unix socket buffers on `args`.
 void SetBulkTransportArgs(grpc::ChannelArguments* args);
 
-// The same for a server: ServerBuilder::SetOption(BulkTransportOption()).
-std::unique_ptr<grpc::ServerBuilderOption> BulkTransportOption();
+// Integer channel arguments an operator gives as "NAME=VALUE" (attnserve --grpc_arg,
+// attn_loadgen --channel_args), set after the sizes above so that they override them, e.g.
+// grpc.http2.lookahead_bytes=67108864. INVALID_ARGUMENT names the first one that is not
+// NAME=INTEGER; `args` is unchanged then.
+absl::Status AddIntChannelArgs(const std::vector<std::string>& text, grpc::ChannelArguments* args);
+
+// The same for a server: ServerBuilder::SetOption(BulkTransportOption(overrides)), with
+// `overrides` from AddIntChannelArgs's text, already checked by it.
+std::unique_ptr<grpc::ServerBuilderOption> BulkTransportOption(
+    std::vector<std::string> overrides = {});
 
 // Asks for `bytes` of send and receive buffer on `fd` when it is a unix stream socket; leaves any
 // other socket alone. False when a setsockopt failed (the socket is still usable).

@@ -89,6 +89,46 @@ std::vector<int> SocketsOn(const std::string& path) {
   return fds;
 }
 
+// The value gRPC's core takes for `name`: the last one set (its ChannelArgs::FromC sets each in
+// order), or -1.
+int LastIntArg(const grpc::ChannelArguments& args, const std::string& name) {
+  const grpc_channel_args c = args.c_channel_args();
+  int value = -1;
+  for (size_t i = 0; i < c.num_args; ++i) {
+    if (name == c.args[i].key && c.args[i].type == GRPC_ARG_INTEGER) {
+      value = c.args[i].value.integer;
+    }
+  }
+  return value;
+}
+
+TEST(AddIntChannelArgsTest, OverridesTheBulkSizes) {
+  grpc::ChannelArguments args;
+  SetBulkTransportArgs(&args);
+  EXPECT_EQ(LastIntArg(args, GRPC_ARG_HTTP2_MAX_FRAME_SIZE), (1 << 24) - 1);
+  ASSERT_TRUE(AddIntChannelArgs({"grpc.http2.max_frame_size=16384",
+                                 "grpc.http2.lookahead_bytes=67108864", "grpc.x=-3"},
+                                &args)
+                  .ok());
+  EXPECT_EQ(LastIntArg(args, GRPC_ARG_HTTP2_MAX_FRAME_SIZE), 16384);
+  EXPECT_EQ(LastIntArg(args, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES), 64 << 20);
+  EXPECT_EQ(LastIntArg(args, "grpc.x"), -3);
+  EXPECT_TRUE(AddIntChannelArgs({}, &args).ok());
+}
+
+// A bad entry anywhere in the list sets none of them, and the error names it.
+TEST(AddIntChannelArgsTest, RefusesWhatIsNotNameEqualsInteger) {
+  for (const char* bad : {"grpc.http2.lookahead_bytes", "=5", "grpc.a=", "grpc.a=1.5",
+                          "grpc.a=0x10", "grpc.a=99999999999", "grpc.a=5k"}) {
+    grpc::ChannelArguments args;
+    const size_t before = args.c_channel_args().num_args;
+    const absl::Status st = AddIntChannelArgs({"grpc.ok=1", bad}, &args);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find(bad), std::string::npos) << st.message();
+    EXPECT_EQ(args.c_channel_args().num_args, before) << bad;
+  }
+}
+
 // Both ends of a gRPC connection over a unix socket get the buffers: the server's accepted
 // socket (the option on its builder) and the client's (the arguments on its channel).
 TEST(BulkTransportTest, BothEndsOfAUnixConnectionGetTheBuffers) {

@@ -55,6 +55,43 @@ def test_messages_larger_than_the_socket_buffers_cross_a_unix_socket(private, tm
         session.close()
 
 
+def test_grpc_args_reach_the_servers_port(private) -> None:
+    import pytest
+
+    from attnserve.errors import ResourceExhausted
+
+    # An argument whose effect a client sees: headers larger than 16 bytes are refused.
+    server = private(config(), "--grpc_arg=grpc.max_metadata_size=16")
+    with Client(server.address) as client, pytest.raises(ResourceExhausted, match="metadata"):
+        client.server_info()
+    # Flow-control and frame sizes of its own: a 2 MiB decode still crosses, in 16 KiB frames.
+    c = config()
+    c.pools[0].num_pages = 2048
+    server = private(
+        c, "--grpc_arg=grpc.http2.lookahead_bytes=67108864,grpc.http2.max_frame_size=16384"
+    )
+    with Client(server.address) as client:
+        session = PoolSession(client, client.server_info().pools[0], seed=6)
+        seqs = list(range(2048))
+        session.grow(seqs, [1] * len(seqs))
+        assert session.decode(seqs).output.nbytes >= 2 << 20  # checked against the reference
+        session.close()
+
+
+def test_a_bad_grpc_arg_is_refused() -> None:
+    import subprocess
+
+    from launcher import binary
+
+    for arg in ("grpc.http2.lookahead_bytes", "grpc.a=1.5", "=3"):
+        result = subprocess.run(
+            [str(binary()), "--listen_address=127.0.0.1:0", f"--grpc_arg={arg}"],
+            capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "--grpc_arg" in result.stderr and arg in result.stderr
+
+
 def test_metrics_address_is_its_own(private) -> None:
     from launcher import free_port
 
