@@ -98,6 +98,8 @@ load transport_unix_shm_decode_b64 --clients=1 --batch=64 --transport=shm
 # The bytes path on the socket a caller on the node would use (TCP loopback above).
 load transport_unix_bytes_decode_b64 --clients=1 --batch=64 --transport=bytes
 load transport_unix_bytes_plan_decode_b64 --clients=1 --batch=64 --transport=bytes --plan
+load transport_unix_bytes_prefill_8192_on_1024 --clients=1 --batch=1 --op=prefill --context=1024 \
+  --prefill_tokens=8192 --append --transport=bytes
 load transport_unix_shm_floor_b1 --clients=1 --batch=1 --context=16 --transport=shm
 # The caller polling for its reply instead of sleeping: what waking its thread costs.
 load transport_unix_shm_decode_b64_spin --clients=1 --batch=64 --transport=shm --spin

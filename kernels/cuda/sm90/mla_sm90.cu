@@ -26,7 +26,10 @@
 // so with two stages its next S waits for copies that could only start then.
 // Measured and dropped (bench/RESULTS.md): 32-key tiles in four stages (deeper prefetch, but the
 // narrower S reads Q twice as often), and cluster pairs that copied each tile from L2 once for
-// both halves of a 128-head decode: both slower.
+// both halves of a 128-head decode: both slower. The pairs again with TMA multicast (one hop,
+// each CTA issuing every other column block to both, a stage refilled once both CTAs released
+// it): 128 heads 291.5 -> 320.1 us, the prefill 1030 -> 1073 us; the halved L2 reads do not pay
+// for the two CTAs waiting on each other's releases.
 // Narrow variant (NarrowTraits, ConsumeNarrow below): for decodes of few heads, a transposed
 // kernel of two warpgroups whose GEMMs take the heads as their N side.
 // Rows past kv_end in a tile copy the range's last key again (real, finite data the mask hides;
