@@ -121,11 +121,12 @@ std::unique_ptr<v1::AttentionService::Stub> Connect(
   // A connection per client, as separate scheduler processes would have.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   // Sized for messages of megabytes, as the server's side (server/rpc/transport_args.h).
-  SetBulkTransportArgs(&args);
-  if (absl::Status st = AddIntChannelArgs(absl::GetFlag(FLAGS_channel_args), &args); !st.ok()) {
-    std::fprintf(stderr, "--channel_args: %s\n", std::string(st.message()).c_str());
+  absl::StatusOr<IntChannelArgs> overrides = ParseIntChannelArgs(absl::GetFlag(FLAGS_channel_args));
+  if (!overrides.ok()) {
+    std::fprintf(stderr, "--channel_args: %s\n", std::string(overrides.status().message()).c_str());
     std::exit(2);
   }
+  SetBulkTransportArgs(&args, *overrides);
   std::shared_ptr<grpc::Channel> c =
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   if (channel != nullptr) *channel = c;

@@ -207,9 +207,9 @@ int Run() {
     std::cerr << "attnserve: " << options.status() << "\n";
     return 2;
   }
-  grpc::ChannelArguments checked;  // the server's own are built later, by the builder
-  if (absl::Status st = AddIntChannelArgs(absl::GetFlag(FLAGS_grpc_arg), &checked); !st.ok()) {
-    std::cerr << "attnserve: --grpc_arg: " << st.message() << "\n";
+  absl::StatusOr<IntChannelArgs> grpc_args = ParseIntChannelArgs(absl::GetFlag(FLAGS_grpc_arg));
+  if (!grpc_args.ok()) {
+    std::cerr << "attnserve: --grpc_arg: " << grpc_args.status().message() << "\n";
     return 2;
   }
   ShutdownRequest shutdown;
@@ -269,7 +269,7 @@ int Run() {
   builder.SetMaxReceiveMessageSize(static_cast<int>(options->max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options->max_message_bytes));
   // Frame, read and unix socket buffer sizes, then the operator's overrides.
-  builder.SetOption(BulkTransportOption(absl::GetFlag(FLAGS_grpc_arg)));
+  builder.SetOption(BulkTransportOption(*std::move(grpc_args)));
   builder.RegisterService(&service);
   builder.RegisterService(&main_health);
   builder.RegisterService(reflection.v1());

@@ -76,16 +76,14 @@ grpc_socket_mutator* NewUnixBufferMutator(int bytes) {
 
 class BulkTransport final : public grpc::ServerBuilderOption {
  public:
-  explicit BulkTransport(std::vector<std::string> overrides) : overrides_(std::move(overrides)) {}
+  explicit BulkTransport(IntChannelArgs overrides) : overrides_(std::move(overrides)) {}
   void UpdateArguments(grpc::ChannelArguments* args) override {
-    SetBulkTransportArgs(args);
-    // Checked when the option was made (the server refuses to start on a bad one).
-    AddIntChannelArgs(overrides_, args).IgnoreError();
+    SetBulkTransportArgs(args, overrides_);
   }
   void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>*) override {}
 
  private:
-  const std::vector<std::string> overrides_;
+  const IntChannelArgs overrides_;
 };
 
 }  // namespace
@@ -106,16 +104,17 @@ bool SetUnixSocketBuffers(int fd, int bytes) {
   return snd && rcv;
 }
 
-void SetBulkTransportArgs(grpc::ChannelArguments* args) {
+void SetBulkTransportArgs(grpc::ChannelArguments* args, const IntChannelArgs& overrides) {
   args->SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
   args->SetInt(GRPC_ARG_TCP_READ_CHUNK_SIZE, 4 << 20);
   args->SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
   args->SetInt(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 16 << 20);
   args->SetSocketMutator(NewUnixBufferMutator(kUnixSocketBufferBytes));
+  for (const auto& [name, value] : overrides) args->SetInt(name, value);
 }
 
-absl::Status AddIntChannelArgs(const std::vector<std::string>& text, grpc::ChannelArguments* args) {
-  std::vector<std::pair<std::string, int>> parsed;
+absl::StatusOr<IntChannelArgs> ParseIntChannelArgs(const std::vector<std::string>& text) {
+  IntChannelArgs parsed;
   for (const std::string& arg : text) {
     const std::vector<std::string> kv = absl::StrSplit(arg, absl::MaxSplits('=', 1));
     int value = 0;
@@ -125,11 +124,10 @@ absl::Status AddIntChannelArgs(const std::vector<std::string>& text, grpc::Chann
     }
     parsed.emplace_back(kv[0], value);
   }
-  for (const auto& [name, value] : parsed) args->SetInt(name, value);
-  return absl::OkStatus();
+  return parsed;
 }
 
-std::unique_ptr<grpc::ServerBuilderOption> BulkTransportOption(std::vector<std::string> overrides) {
+std::unique_ptr<grpc::ServerBuilderOption> BulkTransportOption(IntChannelArgs overrides) {
   return std::make_unique<BulkTransport>(std::move(overrides));
 }
 

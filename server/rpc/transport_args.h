@@ -17,9 +17,10 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/support/channel_arguments.h"
 
@@ -30,19 +31,20 @@ namespace attn {
 // whose limits are below this gets its limits.
 inline constexpr int kUnixSocketBufferBytes = 4 << 20;
 
-// Sets the frame and read sizes above and the unix socket buffers on `args`.
-void SetBulkTransportArgs(grpc::ChannelArguments* args);
+// Integer channel arguments an operator gives (attnserve --grpc_arg, attn_loadgen
+// --channel_args), in the order given.
+using IntChannelArgs = std::vector<std::pair<std::string, int>>;
 
-// Integer channel arguments an operator gives as "NAME=VALUE" (attnserve --grpc_arg,
-// attn_loadgen --channel_args), set after the sizes above so that they override them, e.g.
-// grpc.http2.lookahead_bytes=67108864. INVALID_ARGUMENT names the first one that is not
-// NAME=INTEGER; `args` is unchanged then.
-absl::Status AddIntChannelArgs(const std::vector<std::string>& text, grpc::ChannelArguments* args);
+// Parses "NAME=VALUE" entries, e.g. grpc.http2.lookahead_bytes=67108864. INVALID_ARGUMENT names
+// the first one that is not NAME=INTEGER.
+absl::StatusOr<IntChannelArgs> ParseIntChannelArgs(const std::vector<std::string>& text);
 
-// The same for a server: ServerBuilder::SetOption(BulkTransportOption(overrides)), with
-// `overrides` from AddIntChannelArgs's text, already checked by it.
-std::unique_ptr<grpc::ServerBuilderOption> BulkTransportOption(
-    std::vector<std::string> overrides = {});
+// Sets the frame and read sizes above and the unix socket buffers on `args`, then `overrides`
+// (gRPC takes the last value set for a name, so they win).
+void SetBulkTransportArgs(grpc::ChannelArguments* args, const IntChannelArgs& overrides = {});
+
+// The same for a server: ServerBuilder::SetOption(BulkTransportOption(overrides)).
+std::unique_ptr<grpc::ServerBuilderOption> BulkTransportOption(IntChannelArgs overrides = {});
 
 // Asks for `bytes` of send and receive buffer on `fd` when it is a unix stream socket; leaves any
 // other socket alone. False when a setsockopt failed (the socket is still usable).

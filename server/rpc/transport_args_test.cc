@@ -102,30 +102,31 @@ int LastIntArg(const grpc::ChannelArguments& args, const std::string& name) {
   return value;
 }
 
-TEST(AddIntChannelArgsTest, OverridesTheBulkSizes) {
+TEST(IntChannelArgsTest, OverridesTheBulkSizes) {
+  grpc::ChannelArguments plain;
+  SetBulkTransportArgs(&plain);
+  EXPECT_EQ(LastIntArg(plain, GRPC_ARG_HTTP2_MAX_FRAME_SIZE), (1 << 24) - 1);
+  const absl::StatusOr<IntChannelArgs> overrides = ParseIntChannelArgs(
+      {"grpc.http2.max_frame_size=16384", "grpc.http2.lookahead_bytes=67108864", "grpc.x=-3"});
+  ASSERT_TRUE(overrides.ok()) << overrides.status();
   grpc::ChannelArguments args;
-  SetBulkTransportArgs(&args);
-  EXPECT_EQ(LastIntArg(args, GRPC_ARG_HTTP2_MAX_FRAME_SIZE), (1 << 24) - 1);
-  ASSERT_TRUE(AddIntChannelArgs({"grpc.http2.max_frame_size=16384",
-                                 "grpc.http2.lookahead_bytes=67108864", "grpc.x=-3"},
-                                &args)
-                  .ok());
+  SetBulkTransportArgs(&args, *overrides);
   EXPECT_EQ(LastIntArg(args, GRPC_ARG_HTTP2_MAX_FRAME_SIZE), 16384);
   EXPECT_EQ(LastIntArg(args, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES), 64 << 20);
   EXPECT_EQ(LastIntArg(args, "grpc.x"), -3);
-  EXPECT_TRUE(AddIntChannelArgs({}, &args).ok());
+  const absl::StatusOr<IntChannelArgs> none = ParseIntChannelArgs({});
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
 }
 
-// A bad entry anywhere in the list sets none of them, and the error names it.
-TEST(AddIntChannelArgsTest, RefusesWhatIsNotNameEqualsInteger) {
+// A bad entry anywhere in the list fails the whole list (so nothing of it can be set), and the
+// error names it.
+TEST(IntChannelArgsTest, RefusesWhatIsNotNameEqualsInteger) {
   for (const char* bad : {"grpc.http2.lookahead_bytes", "=5", "grpc.a=", "grpc.a=1.5",
                           "grpc.a=0x10", "grpc.a=99999999999", "grpc.a=5k"}) {
-    grpc::ChannelArguments args;
-    const size_t before = args.c_channel_args().num_args;
-    const absl::Status st = AddIntChannelArgs({"grpc.ok=1", bad}, &args);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_NE(st.message().find(bad), std::string::npos) << st.message();
-    EXPECT_EQ(args.c_channel_args().num_args, before) << bad;
+    const absl::StatusOr<IntChannelArgs> parsed = ParseIntChannelArgs({"grpc.ok=1", bad});
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(parsed.status().message().find(bad), std::string::npos) << parsed.status();
   }
 }
 
