@@ -6,7 +6,7 @@
 //
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,10]
 //                [--mla_variants 0,10] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
-//                [--sequential_pages]
+//                [--sequential_pages] [--stamps DIR]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
@@ -18,9 +18,16 @@
 //
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
 // difference is what scattered page reads cost a kernel.
+//
+// --stamps DIR runs the stamped GQA prefills (kGqaPrefillSm90Solo3Stamped and its persistent
+// kGqaPrefillSm90Solo3PersistentStamped) once more on every GQA prefill shape of head_dim 128,
+// after a flush, and writes their phase stamps to DIR/<shape>_v<variant>.stamps (one work a
+// line, the kPhaseStampSlots slots of kernels/cuda/api.h's PhaseSlot); bench/stamps.py says
+// where the time went.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -34,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/api.h"
 #include "kernels/cuda/plan.h"
 #include "kernels/testing/device_batch.h"
 #include "kernels/testing/paged_batch_builder.h"
@@ -217,8 +225,41 @@ Result Measure(const Shape& s, HostBatch& h, int variant, const testing::PlanOve
   return r;
 }
 
+// One run of a stamped prefill on `h` (timed by the stamps themselves), its records written to
+// DIR/<shape>_v<variant>.stamps.
+void WriteStamps(const Shape& s, HostBatch& h, int variant, const std::string& dir, void* flush,
+                 size_t flush_bytes) {
+  std::unique_ptr<DeviceBatch> d;
+  CHECK_CUDA(DeviceBatch::Create(h.gqa, &d, variant));
+  const int ctas = static_cast<int>(d->plan().items.size()) * s.kv_heads;
+  const size_t bytes = sizeof(uint64_t) * ctas * cuda::kPhaseStampSlots;
+  void* buffer;
+  CHECK_CUDA(cudaMalloc(&buffer, bytes));
+  auto* records = static_cast<uint64_t*>(buffer);
+  CHECK_CUDA(cuda::SetGqaPrefillPhaseStamps({records, ctas}));
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(d->RunAttention(nullptr));  // warm-up
+  CHECK_CUDA(cudaMemset(records, 0, bytes));
+  CHECK_CUDA(cudaMemsetAsync(flush, 1, flush_bytes));
+  CHECK_CUDA(d->RunAttention(nullptr));
+  std::vector<uint64_t> host(bytes / sizeof(uint64_t));
+  CHECK_CUDA(cudaMemcpy(host.data(), records, bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cuda::SetGqaPrefillPhaseStamps({}));
+  CHECK_CUDA(cudaFree(records));
+  std::string file = s.name + "_v" + std::to_string(variant);
+  std::replace(file.begin(), file.end(), '/', '-');
+  std::ofstream f(dir + "/" + file + ".stamps");
+  for (int c = 0; c < ctas; ++c) {
+    for (int i = 0; i < cuda::kPhaseStampSlots; ++i) {
+      f << (i ? " " : "") << host[static_cast<size_t>(c) * cuda::kPhaseStampSlots + i];
+    }
+    f << "\n";
+  }
+  std::printf("%-40s stamps of %d works in %s/%s.stamps\n", s.name.c_str(), ctas, dir.c_str(),
+              file.c_str());
+}
+
 int Main(int argc, char** argv) {
-  std::string json, filter;
+  std::string json, filter, stamps_dir;
   int runs = 30;
   bool shuffle_pages = true;
   std::vector<int> variants{-1}, mla_variants{-1}, decode_variants{-1};
@@ -240,6 +281,8 @@ int Main(int argc, char** argv) {
       runs = std::atoi(argv[++i]);
     else if (a == "--sequential_pages")
       shuffle_pages = false;
+    else if (a == "--stamps" && i + 1 < argc)
+      stamps_dir = argv[++i];
     else if (a == "--min_chunk" && i + 1 < argc)
       min_chunks = parse_list(argv[++i]);
     else if (a == "--waves" && i + 1 < argc)
@@ -254,7 +297,7 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
                    "[--prefill_variants 0,10] [--mla_variants 0,10] [--decode_variants 0,1] "
-                   "[--min_chunk KEYS] [--waves W] [--sequential_pages]\n");
+                   "[--min_chunk KEYS] [--waves W] [--sequential_pages] [--stamps DIR]\n");
       return 2;
     }
   }
@@ -307,6 +350,12 @@ int Main(int argc, char** argv) {
                     r.chunk_len);
         std::fflush(stdout);
         results.push_back(r);
+      }
+    }
+    if (!stamps_dir.empty() && has_variants && s.head_dim == 128) {
+      for (int v :
+           {cuda::kGqaPrefillSm90Solo3Stamped, cuda::kGqaPrefillSm90Solo3PersistentStamped}) {
+        WriteStamps(s, h, v, stamps_dir, flush, flush_bytes);
       }
     }
   }

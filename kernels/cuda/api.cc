@@ -32,7 +32,9 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
 
 bool IsSm90Prefill(int variant) {
   return (variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanSerialPersistent) ||
-         variant == kGqaPrefillSm90LeanOverlap3 || variant == kGqaPrefillSm90LeanOverlapSolo3;
+         variant == kGqaPrefillSm90LeanOverlap3 || variant == kGqaPrefillSm90LeanOverlapSolo3 ||
+         variant == kGqaPrefillSm90Solo3Persistent || variant == kGqaPrefillSm90Solo3Stamped ||
+         variant == kGqaPrefillSm90Solo3PersistentStamped;
 }
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the
@@ -136,6 +138,10 @@ PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling, int64_t
   c.num_qo_heads = p.num_heads;
   return c;
 }
+
+#ifndef ATTN_HAVE_SM90
+cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer&) { return cudaErrorNotSupported; }
+#endif
 
 cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
   if (plan.num_items > 0) {

@@ -40,8 +40,8 @@ inline constexpr int kGqaPrefillSm90Overlap = 11;  // softmax under P V, warpgro
 inline constexpr int kGqaPrefillSm90LeanSerial = 12;
 inline constexpr int kGqaPrefillSm90LeanOverlap = 13;
 // 12 as a persistent kernel: one wave of CTAs that take the work items in turn, each item's Q
-// and first tiles copied while the previous item finishes (bench/RESULTS.md: 4% faster on short
-// sequences, 1-3% slower on long causal ones, so not the default).
+// and first tiles copied while the previous item finishes (bench/RESULTS.md: level with the
+// default on short sequences, 3-10% slower on long ones, so not the default).
 inline constexpr int kGqaPrefillSm90LeanSerialPersistent = 14;
 // The overlap schedule (softmax under the P V GEMM) with a third K/V stage (head_dim 64 and 128;
 // 256 keeps two), with and without the warpgroups taking turns at the GEMMs. Without turns it is
@@ -54,6 +54,13 @@ inline constexpr int kGqaPrefillSm90LeanOverlapSolo3 = 19;
 // itself (LaunchOptions::short_prefill) for launches whose sequences each have at most 16 packed
 // rows: one or a few new tokens per sequence, where a 128-row prefill CTA is mostly padding.
 inline constexpr int kGqaPrefillOnDecodeKernel = 20;
+// Head_dim 128 only: kGqaPrefillSm90LeanOverlapSolo3 as a persistent kernel (as 14 is 12's): its
+// works' start-up hides behind the last one's tiles, but each key tile takes 3-10% longer, so it
+// is level with 19 or slower (bench/RESULTS.md); and 19 and 22 writing per-work phase stamps
+// into the buffer SetGqaPrefillPhaseStamps names, for kernel_bench --stamps.
+inline constexpr int kGqaPrefillSm90Solo3Persistent = 22;
+inline constexpr int kGqaPrefillSm90Solo3Stamped = 21;
+inline constexpr int kGqaPrefillSm90Solo3PersistentStamped = 23;
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
 // (kernels/cuda/gqa_decode.cu). The default (-1), and short prefills (kGqaPrefillOnDecodeKernel),
@@ -81,6 +88,34 @@ inline constexpr int kMlaSm90SeesawTma = 14;
 inline constexpr int kMlaSm90Narrow16 = 16;
 inline constexpr int kMlaSm90Narrow32 = 17;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
+
+// Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of
+// kPhaseStampSlots words per work (item index * KV heads + KV head: a CTA, unless persistent),
+// each slot a PhaseSlot.
+enum class PhaseSlot : int {
+  kSmAndTiles = 0,  // %smid | key tiles << 32
+  kStartNs,         // global timer (ns) at the CTA's start (persistent: the consumers' start)
+  kEndNs0,          // global timer at the end of consumer warpgroup 0's epilogue
+  kEndNs1,          // ... and warpgroup 1's
+  kStartClock,      // the SM's clock (cycles) at the CTA's start
+  kQIssuedClock,    // the producer has issued the Q tile's copies
+  kProducedClock,   // the producer has issued its last tile's copies
+  kQReadyClock,     // consumer warpgroup 0 sees Q in shared memory
+  kFirstSClock,     // ... has the first tile's S
+  kLoopEndClock,    // ... has the last tile's P V
+  kStoredClock0,    // ... has stored its rows
+  kStoredClock1,    // consumer warpgroup 1 has stored its rows
+  kCount
+};
+inline constexpr int kPhaseStampSlots = static_cast<int>(PhaseSlot::kCount);
+struct PhaseStampBuffer {
+  uint64_t* records = nullptr;  // device memory, [capacity, kPhaseStampSlots]
+  int capacity = 0;             // records
+};
+// Names the buffer the stamped GQA prefill variant writes (records null: none; it writes
+// nothing). Takes effect for launches enqueued after it returns; cudaErrorNotSupported where the
+// Hopper kernels are not built.
+cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer& buffer);
 
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {

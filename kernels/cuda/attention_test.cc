@@ -128,6 +128,7 @@ const std::vector<int> kAllPrefillVariants = {0,
                                               cuda::kGqaPrefillSm90LeanSerialPersistent,
                                               cuda::kGqaPrefillSm90LeanOverlap3,
                                               cuda::kGqaPrefillSm90LeanOverlapSolo3,
+                                              cuda::kGqaPrefillSm90Solo3Persistent,
                                               cuda::kGqaPrefillOnDecodeKernel};
 
 // Those of `candidates` the entry points accept on this device (the portable kernels
@@ -518,6 +519,79 @@ TEST_F(KernelTest, GqaWorkloadShapes) {
   std::vector<SeqSpec> ragged;
   for (int i = 0; i < 8; ++i) ragged.push_back({512, 1536, 0});
   RunGqa({1, 16, 40, 10, 128}, {"prefill_8x512_on_1024", ragged, prefill, 24}, variants);
+}
+
+// A stamped prefill computes what its unstamped variant does, bit for bit, and writes one sane
+// record per work: within the buffer, on a real SM, its phases in order.
+void ExpectStamped(GqaHostBatch& host, int variant, int stamped) {
+  SCOPED_TRACE(::testing::Message() << "variant " << stamped);
+  std::vector<Got> got;
+  ASSERT_NO_FATAL_FAILURE(RunVariants(host, {variant}, &got));
+  std::unique_ptr<DeviceBatch> device;
+  ASSERT_CUDA_OK(DeviceBatch::Create(host, &device, stamped));
+  const int works = static_cast<int>(device->plan().items.size()) * host.geometry.num_kv_heads;
+  const int capacity = works + 8;  // the slack must stay untouched
+  const size_t bytes = sizeof(uint64_t) * capacity * cuda::kPhaseStampSlots;
+  void* buffer = nullptr;
+  ASSERT_CUDA_OK(cudaMalloc(&buffer, bytes));
+  auto* records = static_cast<uint64_t*>(buffer);
+  ASSERT_CUDA_OK(cudaMemset(records, 0, bytes));
+  ASSERT_CUDA_OK(cuda::SetGqaPrefillPhaseStamps({records, capacity}));
+  ASSERT_CUDA_OK(device->PoisonOutputs(nullptr));
+  ASSERT_CUDA_OK(device->Run(nullptr));
+  ASSERT_CUDA_OK(cuda::SetGqaPrefillPhaseStamps({}));
+  Got r{stamped, {}, {}, {}};
+  ASSERT_CUDA_OK(device->Download(&r.out, &r.lse, &r.cache));
+  std::vector<uint64_t> host_records(bytes / sizeof(uint64_t));
+  ASSERT_CUDA_OK(cudaMemcpy(host_records.data(), records, bytes, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA_OK(cudaFree(records));
+  EXPECT_EQ(0, std::memcmp(r.out.data(), got[0].out.data(), r.out.size() * sizeof(bf16)));
+  EXPECT_EQ(r.lse, got[0].lse);
+
+  int sms = 0;
+  ASSERT_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  using cuda::PhaseSlot;
+  int with_tiles = 0;
+  for (int c = 0; c < capacity; ++c) {
+    SCOPED_TRACE(::testing::Message() << "work " << c);
+    const uint64_t* rec = &host_records[static_cast<size_t>(c) * cuda::kPhaseStampSlots];
+    auto at = [&](PhaseSlot slot) { return rec[static_cast<int>(slot)]; };
+    if (c >= works) {
+      EXPECT_EQ(at(PhaseSlot::kStartNs), 0u);
+      continue;
+    }
+    EXPECT_LT(at(PhaseSlot::kSmAndTiles) & 0xffffffffu, static_cast<uint64_t>(sms));
+    EXPECT_GT(at(PhaseSlot::kStartNs), 0u);
+    if ((at(PhaseSlot::kSmAndTiles) >> 32) == 0) continue;  // a work without keys ends early
+    ++with_tiles;
+    // Stamps of one thread are in program order; warpgroup 1's and the producer's are only
+    // written (no barrier orders them against warpgroup 0's in a persistent CTA).
+    EXPECT_LE(at(PhaseSlot::kStartNs), at(PhaseSlot::kEndNs0));
+    EXPECT_LT(at(PhaseSlot::kStartClock), at(PhaseSlot::kQReadyClock));
+    EXPECT_LT(at(PhaseSlot::kQReadyClock), at(PhaseSlot::kFirstSClock));
+    EXPECT_LE(at(PhaseSlot::kFirstSClock), at(PhaseSlot::kLoopEndClock));
+    EXPECT_LT(at(PhaseSlot::kLoopEndClock), at(PhaseSlot::kStoredClock0));
+    EXPECT_LT(at(PhaseSlot::kQIssuedClock), at(PhaseSlot::kProducedClock));
+    EXPECT_GT(at(PhaseSlot::kEndNs1), 0u);
+    EXPECT_GT(at(PhaseSlot::kStoredClock1), 0u);
+  }
+  EXPECT_GT(with_tiles, 0);
+}
+
+TEST_F(KernelTest, GqaPrefillPhaseStamps) {
+  if (PrefillVariants(128, {cuda::kGqaPrefillSm90Solo3Stamped}).empty()) {
+    GTEST_SKIP() << "no sm_90a kernels here";
+  }
+  std::mt19937_64 rng(Seed());
+  BatchOptions options;
+  options.append = true;
+  // More works than SMs, so a persistent CTA takes several.
+  std::vector<SeqSpec> seqs = {{300, 1000, 0}, {130, 130, 0}, {0, 7, 0}};
+  for (int i = 0; i < 12; ++i) seqs.push_back({100 + 40 * i, 600, 0});
+  GqaHostBatch host = MakeGqaBatch({1, 16, 40, 10, 128}, seqs, options, rng);
+  ExpectStamped(host, cuda::kGqaPrefillSm90LeanOverlapSolo3, cuda::kGqaPrefillSm90Solo3Stamped);
+  ExpectStamped(host, cuda::kGqaPrefillSm90Solo3Persistent,
+                cuda::kGqaPrefillSm90Solo3PersistentStamped);
 }
 
 TEST_F(KernelTest, MlaWorkloadShapes) {

@@ -21,11 +21,15 @@
 // overlap schedule with a third K/V stage and without the turns became the fastest, by 2-3%
 // (bench/RESULTS.md): with the turns it loses on long unmasked rows.
 //
-// Persistent variants launch one wave of CTAs that each take work items in turn (CTA c: items
-// c, c + grid, ...; the planner's longest-first order): the producer copies the next item's Q and
-// first tiles while the consumers finish the last one and write its rows, so a CTA's start-up
-// and epilogue hide behind work instead of costing every item (short sequences have few tiles
-// per item to spread them over).
+// Persistent variants launch one wave of CTAs that each take work items in turn: the producer
+// copies the next item's Q and first tiles while the consumers finish the last one and write its
+// rows, so a CTA's start-up hides behind work instead of costing every item (its phase stamps:
+// 2.6 us from a CTA's start to its Q in shared memory, 1.5 more to the first S, in a 24.5 us CTA
+// of 8 x 512). CTA c takes works c, 2 grid - 1 - c, 2 grid + c, ... (a snake over the planner's
+// longest-first order, so each CTA's rounds add up to about the same keys), and the producer,
+// which reads each work's item and sequence from global memory anyway, hands the consumers the
+// whole Work through a two-slot ring in shared memory: their next work is one shared load away,
+// not a chain of dependent global loads after the last one's epilogue.
 //
 // Causal block skipping is the planner's (kv_end is cut to the keys the tile's last row sees);
 // masking runs only on the tiles that cross a row's limit. Split-KV items write float32 partials
@@ -36,6 +40,7 @@
 #include "kernels/cuda/common/epilogue.cuh"
 #include "kernels/cuda/common/launch.h"
 #include "kernels/cuda/common/paged_kv.cuh"
+#include "kernels/cuda/common/phase_stamps.cuh"
 #include "kernels/cuda/common/softmax_state.cuh"
 #include "kernels/cuda/sm90/hopper.cuh"
 #include "kernels/cuda/sm90/launchers_sm90.h"
@@ -52,6 +57,12 @@ constexpr int kThreads = 384;
 constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
 // Named barriers of the consumers' GEMM turns (pingpong): warpgroup w waits on kTurnBarrier + w.
 constexpr int kTurnBarrier = 1;
+// The ring in which a persistent producer hands the consumers their next works.
+constexpr int kWorkSlots = 2;
+constexpr int kWorkSlotBytes = 80;  // a Work, 16-byte aligned
+
+// Where the stamped variant writes its records (SetGqaPrefillPhaseStamps).
+__device__ PhaseStampBuffer g_phase_stamps;
 
 // One kernel instance: head_dim, key tile and the schedule.
 //   kOverlap: tile t's S GEMM and tile t-1's P V GEMM are issued back to back, and tile t's
@@ -63,9 +74,12 @@ constexpr int kTurnBarrier = 1;
 //     variants), with more registers for it: 1.3-1.5x faster on the H200, the suspicion held.
 //   kPersistent: one wave of CTAs loops over the work items (else one CTA per item).
 //   kStages: the K/V ring's depth.
+//   kStamps: each work writes its phase stamps (a record per work index: per CTA unless
+//     persistent).
 template <int kHeadDim_, int kBlockN_, bool kOverlap_, bool kPingPong_, bool kLeanCopies_,
-          bool kPersistent_, int kStages_>
+          bool kPersistent_, int kStages_, bool kStamps_ = false>
 struct Traits {
+  static constexpr bool kStamps = kStamps_;
   static constexpr int kStages = kStages_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
@@ -87,9 +101,10 @@ struct Traits {
   static_assert(kKvPasses <= kChunks, "one producer lane per row of a pass group holds its page");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarriers = 2 + 4 * kStages;
+  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kWorkSlots;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * kBarriers;
+  static constexpr int kSmemBytes =
+      1024 + kQBytes + 2 * kStages * kTileBytes + 8 * kBarriers + kWorkSlots * kWorkSlotBytes;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -112,10 +127,30 @@ struct Smem {
   __device__ uint32_t VFull(int stage) const { return Barrier(1 + 2 * T::kStages + stage); }
   __device__ uint32_t VEmpty(int stage) const { return Barrier(1 + 3 * T::kStages + stage); }
   __device__ uint32_t QEmpty() const { return Barrier(1 + 4 * T::kStages); }
+  __device__ uint32_t WorkFull(int slot) const { return Barrier(2 + 4 * T::kStages + slot); }
+  __device__ uint32_t WorkEmpty(int slot) const {
+    return Barrier(2 + 4 * T::kStages + kWorkSlots + slot);
+  }
+  // Offset of a work slot from base (the kernel reaches it through a generic pointer).
+  __device__ uint32_t WorkSlotOffset(int slot) const {
+    return T::kQBytes + 2 * T::kStages * T::kTileBytes + 8 * T::kBarriers + slot * kWorkSlotBytes;
+  }
 };
+
+// The stamped variant's stamp of `slot` (the others compile nothing): the SM's clock, or `value`.
+// Record `record` is the work's index.
+template <typename T>
+__device__ __forceinline__ void Stamp(int record, PhaseSlot slot) {
+  if constexpr (T::kStamps) StampClock(g_phase_stamps, record, slot);
+}
+template <typename T>
+__device__ __forceinline__ void Stamp(int record, PhaseSlot slot, uint64_t value) {
+  if constexpr (T::kStamps) WriteStamp(g_phase_stamps, record, slot, value);
+}
 
 // What both roles know of the CTA's work.
 struct Work {
+  int index;  // item index * heads + KV head
   WorkItem item;
   SeqExtent seq;
   int kv_head;
@@ -128,22 +163,32 @@ struct Work {
   int q_uses;
   int tiles_before;
 };
+static_assert(sizeof(Work) <= kWorkSlotBytes);
+
+// The index of the CTA's work in round `round` of a persistent launch: a snake over the works,
+// forward in even rounds and backward in odd ones. Rises with the round, so the first past
+// num_works ends the CTA's rounds.
+__device__ __forceinline__ int PersistentWorkIndex(int round) {
+  const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
+  return round * g + (round % 2 ? g - 1 - c : c);
+}
 
 // Work index `index` (item-major: item index / heads, KV head index % heads), following the CTA's
-// earlier items.
+// work `previous` (a CTA's first follows Work{}: no Q use, no tiles).
 template <typename T>
 __device__ __forceinline__ Work MakeWork(const GqaParams& p, const WorkItem* items, int index,
-                                         const Work* previous) {
+                                         const Work& previous) {
   const int heads = p.cache.num_kv_heads;
   Work w;
+  w.index = index;
   w.item = items[index / heads];
   w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
   w.kv_head = index % heads;
   w.group = p.num_qo_heads / heads;
   w.num_rows = w.seq.q_len * w.group;
   w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + T::kBlockN - 1) / T::kBlockN);
-  w.q_uses = previous ? previous->q_uses + (previous->num_tiles > 0 ? 1 : 0) : 0;
-  w.tiles_before = previous ? previous->tiles_before + previous->num_tiles : 0;
+  w.q_uses = previous.q_uses + (previous.num_tiles > 0 ? 1 : 0);
+  w.tiles_before = previous.tiles_before + previous.num_tiles;
   return w;
 }
 
@@ -155,6 +200,8 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
   const int chunk = tid % T::kChunks;  // this lane's 16 bytes of every row it copies
   const int row0 = tid / T::kChunks;   // and its first row; then every kRowsPerPass-th
   const int group_lane0 = (tid % 32) & ~(T::kChunks - 1) & 31;  // lanes copying the same rows
+  if (tid == 0)
+    Stamp<T>(w.index, PhaseSlot::kSmAndTiles, SmId() | uint64_t{uint32_t(w.num_tiles)} << 32);
   if (w.num_tiles == 0) return;  // nothing to copy; the consumers skip it as well
 
   // The consumers' release of the Q buffer from the CTA's previous item (none: returns at once).
@@ -169,6 +216,7 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     CopyAsync16(s.Q() + SwizzledOffset(kBlockM, r, chunk), valid ? src : p.q, valid);
   }
   BarrierArriveOnCopies(s.QFull());
+  if (tid == 0) Stamp<T>(w.index, PhaseSlot::kQIssuedClock);
 
   const PagedRows rows = GqaKeyRows(p.cache, p.batch, w.seq, w.kv_head);
   const bf16* k_base = rows.base + chunk * 8;
@@ -225,6 +273,7 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     BarrierArriveOnCopies(s.VFull(stage));
     offset = next;
   }
+  if (tid == 0) Stamp<T>(w.index, PhaseSlot::kProducedClock);
 }
 
 // Warpgroups 1 and 2 (`cwg` 0, 1): rows [64 cwg, 64 cwg + 64) of the tile.
@@ -306,6 +355,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   if (T::kPingPong && cwg == 1) pass_turn();  // warpgroup 0 goes first
   if (w.num_tiles > 0) {
     BarrierWait(s.QFull(), w.q_uses & 1);
+    if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kQReadyClock);
     uint32_t pf[kPSteps][4];
     if constexpr (T::kOverlap) {
       {
@@ -319,6 +369,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         pass_turn();
         WgmmaWait<0>();
         PinRegisters(acc);
+        if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kFirstSClock);
         release(s.KEmpty(stage));
         done_with_q(0);
         float alpha[2];
@@ -366,6 +417,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
       pass_turn();
       WgmmaWait<0>();
       PinRegisters(o);
+      if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kLoopEndClock);
       release(s.VEmpty(last));
     } else {
       for (int t = 0; t < w.num_tiles; ++t) {
@@ -405,6 +457,58 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, w.kv_head * w.group);
   const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
   StoreRows(cta_sink, o, softmax.m, sums, w.item.row_begin + warp_row0, w.num_rows, 0, lane, true);
+  if (ctid % 128 == 0) {
+    Stamp<T>(w.index, cwg == 0 ? PhaseSlot::kStoredClock0 : PhaseSlot::kStoredClock1);
+    Stamp<T>(w.index, cwg == 0 ? PhaseSlot::kEndNs0 : PhaseSlot::kEndNs1, GlobalTimerNs());
+  }
+}
+
+// A persistent CTA's rounds (PersistentWorkIndex). The producer makes each round's Work,
+// publishes it in the next work slot (a Work with num_tiles -1 ends the consumers' rounds) and
+// copies its tiles; the consumers take the Works from the slots in turn.
+template <typename T>
+__device__ __forceinline__ void RunPersistent(const GqaParams& p, const WorkItem* items,
+                                              int num_items, RowSink sink, const Smem<T>& s,
+                                              unsigned char* base) {
+  const int tid = threadIdx.x;
+  const int num_works = num_items * p.cache.num_kv_heads;
+  auto slot = [&](int k) {
+    return reinterpret_cast<Work*>(base + s.WorkSlotOffset(k % kWorkSlots));
+  };
+  auto parity = [](int k) { return (k / kWorkSlots) & 1; };
+  if (tid < 128) {
+    ReleaseRegisters<T::kProducerRegisters>();
+    Work w{};
+    for (int k = 0;; ++k) {
+      const int index = PersistentWorkIndex(k);
+      if (index < num_works) w = MakeWork<T>(p, items, index, w);
+      BarrierWait(s.WorkEmpty(k % kWorkSlots), parity(k) ^ 1);
+      if (tid == 0) {
+        Work published = w;
+        if (index >= num_works) published.num_tiles = -1;
+        *slot(k) = published;
+        BarrierArrive(s.WorkFull(k % kWorkSlots));
+      }
+      if (index >= num_works) break;
+      Produce<T>(p, w, s, tid);
+    }
+    WaitAllCopies();
+  } else {
+    ClaimRegisters<T::kConsumerRegisters>();
+    const int ctid = tid - 128;
+    for (int k = 0;; ++k) {
+      BarrierWait(s.WorkFull(k % kWorkSlots), parity(k));
+      const Work w = *slot(k);
+      __syncwarp();
+      if (ctid % 32 == 0) BarrierArrive(s.WorkEmpty(k % kWorkSlots));  // one per consumer warp
+      if (w.num_tiles < 0) break;
+      if (ctid == 0) {
+        Stamp<T>(w.index, PhaseSlot::kStartNs, GlobalTimerNs());
+        Stamp<T>(w.index, PhaseSlot::kStartClock);
+      }
+      Consume<T>(p, w, s, ctid, sink);
+    }
+  }
 }
 
 template <typename T>
@@ -416,8 +520,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int tid = threadIdx.x;
   if (tid == 0) {
+    if constexpr (!T::kPersistent) {  // (a persistent CTA's works start in RunPersistent)
+      Stamp<T>(blockIdx.x, PhaseSlot::kStartNs, GlobalTimerNs());
+      Stamp<T>(blockIdx.x, PhaseSlot::kStartClock);
+    }
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
     BarrierInit(s.QEmpty(), 8);   // one arrival per consumer warp
+    for (int i = 0; i < kWorkSlots; ++i) {
+      BarrierInit(s.WorkFull(i), 1);   // the producer's lane 0
+      BarrierInit(s.WorkEmpty(i), 8);  // one arrival per consumer warp
+    }
     for (int i = 0; i < T::kStages; ++i) {
       BarrierInit(s.KFull(i), 128);
       BarrierInit(s.VFull(i), 128);
@@ -427,25 +539,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  // The CTA's items: blockIdx.x, then every gridDim.x-th (one item unless persistent).
-  const int num_works = num_items * p.cache.num_kv_heads;
-  auto for_each_work = [&](auto&& fn) {
-    Work w = MakeWork<T>(p, items, blockIdx.x, nullptr);
-    fn(w);
-    if constexpr (T::kPersistent) {  // (the loop costs the others registers: kept out of them)
-      for (int index = blockIdx.x + gridDim.x; index < num_works; index += gridDim.x) {
-        w = MakeWork<T>(p, items, index, &w);
-        fn(w);
-      }
-    }
-  };
-  if (tid < 128) {
-    ReleaseRegisters<T::kProducerRegisters>();
-    for_each_work([&](const Work& w) { Produce<T>(p, w, s, tid); });
-    WaitAllCopies();
+  if constexpr (T::kPersistent) {
+    RunPersistent<T>(p, items, num_items, sink, s,
+                     reinterpret_cast<unsigned char*>(smem) + (s.base - SharedAddress(smem)));
   } else {
-    ClaimRegisters<T::kConsumerRegisters>();
-    for_each_work([&](const Work& w) { Consume<T>(p, w, s, tid - 128, sink); });
+    if (tid < 128) {
+      ReleaseRegisters<T::kProducerRegisters>();
+      Produce<T>(p, MakeWork<T>(p, items, blockIdx.x, Work{}), s, tid);
+      WaitAllCopies();
+    } else {
+      ClaimRegisters<T::kConsumerRegisters>();
+      Consume<T>(p, MakeWork<T>(p, items, blockIdx.x, Work{}), s, tid - 128, sink);
+    }
   }
 }
 
@@ -505,6 +610,20 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
       return fn(Config<TraitsFor<kHeadDim, true, true, true, false, 3>>());
     case kGqaPrefillSm90LeanOverlapSolo3:
       return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3>>());
+    // Instruments rather than candidates (bench/RESULTS.md), built for head_dim 128 alone.
+    case kGqaPrefillSm90Solo3Persistent:
+    case kGqaPrefillSm90Solo3Stamped:
+    case kGqaPrefillSm90Solo3PersistentStamped:
+      if constexpr (kHeadDim == 128) {
+        if (variant == kGqaPrefillSm90Solo3Persistent) {
+          return fn(Config<Traits<128, 128, true, false, true, true, 3>>());
+        }
+        if (variant == kGqaPrefillSm90Solo3Stamped) {
+          return fn(Config<Traits<128, 128, true, false, true, false, 3, true>>());
+        }
+        return fn(Config<Traits<128, 128, true, false, true, true, 3, true>>());
+      }
+      return cudaErrorInvalidValue;
     default:
       return cudaErrorInvalidValue;
   }
@@ -549,6 +668,10 @@ cudaError_t LaunchGqaPrefillSm90(const GqaParams& p, const DevicePlan& plan, cud
                                  int variant) {
   return sm90::WithConfig(p.cache.head_dim, variant,
                           [&](auto config) { return config.Launch(p, plan, stream); });
+}
+
+cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer& buffer) {
+  return cudaMemcpyToSymbol(sm90::g_phase_stamps, &buffer, sizeof(buffer));
 }
 
 cudaError_t GqaPrefillSm90Tiling(int head_dim, int variant, KernelTiling* tiling) {
