@@ -42,6 +42,12 @@ start_server() {  # extra flags...
   [ -n "$address" ] || { cat "$out/server.err"; exit 1; }
 }
 stop_server() { kill "$server"; wait "$server" || true; server=""; }
+sock="$out/attnserve.sock"
+start_unix_server() {  # extra flags...
+  rm -f "$sock"
+  start_server --listen_address="unix:$sock" "$@"
+  address="unix:$sock"
+}
 # A scenario that fails (set -e) must not leave its server running.
 trap '[ -z "$server" ] || kill "$server" 2>/dev/null || true' EXIT
 load() {  # name, loadgen flags...
@@ -90,10 +96,7 @@ for t in bytes shm; do
 done
 stop_server
 # The same over a unix socket (what a caller on the node uses).
-sock="$out/attnserve.sock"
-rm -f "$sock"
-start_server --listen_address="unix:$sock"
-address="unix:$sock"
+start_unix_server
 load transport_unix_shm_decode_b64 --clients=1 --batch=64 --transport=shm
 # The bytes path on the socket a caller on the node would use (TCP loopback above).
 load transport_unix_bytes_decode_b64 --clients=1 --batch=64 --transport=bytes
@@ -148,9 +151,7 @@ stop_server
 # and more; a prefill's are always copied), the same calls in both.
 if [ "$backend" = cuda ]; then
   for mode in direct:1 copied:0; do
-    rm -f "$sock"
-    start_server --listen_address="unix:$sock" --cuda_direct_output_min_bytes="${mode#*:}"
-    address="unix:$sock"
+    start_unix_server --cuda_direct_output_min_bytes="${mode#*:}"
     m=${mode%%:*}
     load "transport_${m}_queue_shm_plan_decode_b64" --clients=1 --batch=64 --transport=shm \
       --call_queue --plan
@@ -158,6 +159,23 @@ if [ "$backend" = cuda ]; then
       --call_queue --plan
     load "transport_${m}_queue_shm_floor_b1" --clients=1 --batch=1 --context=16 --transport=shm \
       --call_queue
+    stop_server
+  done
+fi
+
+# A prefill's outputs computed in chunks, each copied out while the next is computed
+# (cuda_output_chunk_bytes: the default 8 MiB against 0 = one launch, then the copies), the same
+# calls in both.
+if [ "$backend" = cuda ]; then
+  for mode in chunked:8388608 whole:0; do
+    start_unix_server --cuda_output_chunk_bytes="${mode#*:}"
+    m=${mode%%:*}
+    load "transport_${m}_queue_shm_prefill_8192_on_1024" --clients=1 --batch=1 --op=prefill \
+      --context=1024 --prefill_tokens=8192 --append --transport=shm --call_queue
+    load "transport_${m}_queue_cuda_prefill_8192_on_1024" --clients=1 --batch=1 --op=prefill \
+      --context=1024 --prefill_tokens=8192 --append --transport=cuda --call_queue
+    load "transport_${m}_unix_bytes_prefill_8192_on_1024" --clients=1 --batch=1 --op=prefill \
+      --context=1024 --prefill_tokens=8192 --append --transport=bytes
     stop_server
   done
 fi

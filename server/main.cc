@@ -86,6 +86,10 @@ ABSL_FLAG(bool, cuda_single_stream, false,
 ABSL_FLAG(int64_t, cuda_direct_output_min_bytes, -1,
           "A one-call decode whose output goes to a shared-memory region of at least this many "
           "bytes has the kernels write it there (0: never; default 1 MiB)");
+ABSL_FLAG(int64_t, cuda_output_chunk_bytes, -1,
+          "A prefill launch with at least twice this many output bytes computes them in chunks "
+          "of at least this many, each copied out while the next is computed (0: one launch; "
+          "default 8 MiB)");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Integer gRPC channel arguments of the server's port, NAME=VALUE,... (they override the "
           "HTTP/2 and TCP sizes set for MB messages, server/rpc/transport_args.h; e.g. "
@@ -139,6 +143,7 @@ absl::StatusOr<ServerOptions> OptionsFromFlags() {
   o.call_queue_spin_us = Given(FLAGS_call_queue_spin_us);
   if (absl::GetFlag(FLAGS_cuda_single_stream)) o.cuda_single_stream = true;
   o.cuda_direct_output_min_bytes = Given(FLAGS_cuda_direct_output_min_bytes);
+  o.cuda_output_chunk_bytes = Given(FLAGS_cuda_output_chunk_bytes);
   absl::StatusOr<ServerOptions> options = ResolveConfig(file ? &*file : nullptr, o);
   if (options.ok()) options->backend.inject_fault = absl::GetFlag(FLAGS_inject_fault);
   return options;

@@ -594,6 +594,52 @@ TEST_F(KernelTest, GqaPrefillPhaseStamps) {
                 cuda::kGqaPrefillSm90Solo3PersistentStamped);
 }
 
+// A prefill launched chunk by chunk (LaunchOptions::output_chunk_bytes), in any order, computes
+// what the one launch does, bit for bit: the same items, each run once.
+template <typename HostBatch>
+void ExpectChunkedSame(HostBatch& host, int variant, size_t out_bytes) {
+  SCOPED_TRACE(::testing::Message() << "variant " << variant);
+  std::vector<Got> whole;
+  ASSERT_NO_FATAL_FAILURE(RunVariants(host, {variant}, &whole));
+  for (const bool reversed : {false, true}) {
+    SCOPED_TRACE(reversed ? "last chunk first" : "in order");
+    std::unique_ptr<DeviceBatch> device;
+    PlanOverrides chunks;
+    chunks.output_chunk_bytes = out_bytes / 5;
+    ASSERT_CUDA_OK(DeviceBatch::Create(host, &device, variant, chunks));
+    const int n = static_cast<int>(device->output_chunks().size());
+    ASSERT_GE(n, 4);
+    std::vector<int> order;
+    for (int i = 0; i < n; ++i) order.push_back(reversed ? n - 1 - i : i);
+    ASSERT_CUDA_OK(device->PoisonOutputs(nullptr));
+    ASSERT_CUDA_OK(device->RunChunked(nullptr, order));
+    Got r{variant, {}, {}, {}};
+    ASSERT_CUDA_OK(device->Download(&r.out, &r.lse, &r.cache));
+    EXPECT_EQ(0, std::memcmp(r.out.data(), whole[0].out.data(), r.out.size() * sizeof(bf16)));
+    EXPECT_EQ(0, std::memcmp(r.lse.data(), whole[0].lse.data(), r.lse.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(r.cache.data(), whole[0].cache.data(), r.cache.size() * sizeof(bf16)));
+  }
+}
+
+TEST_F(KernelTest, ChunkedPrefillComputesTheSame) {
+  std::mt19937_64 rng(Seed());
+  BatchOptions options;
+  options.append = true;
+  // Enough CTAs that nothing is split; a sequence of one row and one with more rows than keys.
+  const std::vector<SeqSpec> seqs = {{1500, 2500, 0}, {400, 400, 0}, {1, 50, 0},
+                                     {37, 900, 0},    {300, 200, 0}, {200, 1200, 0}};
+  const GqaGeometry gqa{1, 16, 32, 8, 128};
+  GqaHostBatch g = MakeGqaBatch(gqa, seqs, options, rng);
+  for (int variant : PrefillVariants(128, CheckedPrefillVariants())) {
+    ExpectChunkedSame(g, variant, g.out.size() * sizeof(bf16));
+  }
+  const GqaGeometry group5{1, 16, 40, 8, 64};
+  GqaHostBatch g5 = MakeGqaBatch(group5, seqs, options, rng);
+  ExpectChunkedSame(g5, -1, g5.out.size() * sizeof(bf16));
+  MlaHostBatch m = MakeMlaBatch({1, 64, 16}, seqs, options, rng);
+  ExpectChunkedSame(m, -1, m.out.size() * sizeof(bf16));
+}
+
 TEST_F(KernelTest, MlaWorkloadShapes) {
   BatchOptions decode;
   decode.decode = true;

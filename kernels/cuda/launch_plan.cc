@@ -1,6 +1,8 @@
 #include "kernels/cuda/launch_plan.h"
 
+#include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <tuple>
 
 #include "kernels/cuda/common/cuda_check.h"
@@ -90,7 +92,7 @@ bool LaunchPlan::PlanKey::operator==(const PlanKey& other) const {
     return std::tie(k.table_id, k.mla, k.page_size, k.variant, c.group, c.num_kv_heads,
                     c.num_qo_heads, c.block_m, c.block_n, c.cta_slots, c.causal,
                     c.waves_before_split, c.target_waves, c.no_split_fill, c.min_chunk_len,
-                    c.max_partial_rows);
+                    c.max_partial_rows, k.output_chunk_bytes);
   };
   return fields(*this) == fields(other);
 }
@@ -130,7 +132,8 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   const int n = batch.batch_size;
   if (options.min_chunk_len > 0) config.min_chunk_len = options.min_chunk_len;
   if (options.target_waves > 0) config.target_waves = options.target_waves;
-  const PlanKey key{options.table_id, mla_, page_size, tiling.variant, config};
+  const PlanKey key{options.table_id, mla_,   page_size,
+                    tiling.variant,   config, options.output_chunk_bytes};
   plan_reused_ = options.table_id != 0 && key == planned_;
   planned_ = key;
   if (!plan_reused_) {
@@ -142,6 +145,7 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
       kv_lens_[b] = e.kv_len;
     }
     plan_ = PlanAttention(config, q_lens_.data(), kv_lens_.data(), n);
+    ChunkOutputs(batch, config, options.output_chunk_bytes);
   }
   device_plan_ = DevicePlan{};
   device_plan_.variant = tiling.variant;
@@ -167,6 +171,57 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   outputs_.lse = out.Add(lse_ ? static_cast<size_t>(rows * widths_.lse) * sizeof(float) : 0);
   outputs_.refused = out.Add(static_cast<size_t>(num_calls_) * sizeof(uint32_t));
   outputs_.bytes = out.size();
+}
+
+// A chunk boundary inside a sequence must not cut a work item's rows: item tiles start at
+// multiples of block_m packed rows, so token offsets that are multiples of block_m / gcd(block_m,
+// group) qualify, as does every sequence's first row. Chunks take whole runs of such boundaries,
+// each at least 1 / want of the rows, so there are at most `want`.
+void LaunchPlan::ChunkOutputs(const PagedBatch& batch, const PlanConfig& config,
+                              size_t chunk_bytes) {
+  chunks_.clear();
+  const int64_t total = batch.total_q;
+  const int64_t row_bytes = widths_.out * int64_t{sizeof(bf16)};
+  if (chunk_bytes == 0 || batch.qo_indptr == nullptr || !plan_.merges.empty() || total == 0) {
+    return;
+  }
+  const int64_t want =
+      std::min<int64_t>(kMaxOutputChunks, total * row_bytes / static_cast<int64_t>(chunk_bytes));
+  if (want < 2) return;
+  const int64_t target = (total + want - 1) / want;
+  const int step = config.block_m / std::gcd(config.block_m, config.group);
+  std::vector<int32_t> bounds{0};
+  for (int b = 0; b < batch.batch_size; ++b) {
+    const int32_t q_begin = batch.qo_indptr[b], q_end = batch.qo_indptr[b + 1];
+    for (int64_t row = q_begin; row < q_end; row += step) {
+      if (row - bounds.back() >= target) bounds.push_back(static_cast<int32_t>(row));
+    }
+  }
+  if (bounds.size() < 2) return;
+  bounds.push_back(static_cast<int32_t>(total));
+  const int num_chunks = static_cast<int>(bounds.size()) - 1;
+  // The chunk of each item (that of its first row), then the items grouped by chunk, keeping
+  // the plan's longest-first order within each.
+  auto chunk_of = [&](const WorkItem& w) {
+    const int32_t row = batch.qo_indptr[w.seq] + w.row_begin / config.group;
+    return static_cast<int>(std::upper_bound(bounds.begin(), bounds.end(), row) - bounds.begin()) -
+           1;
+  };
+  chunks_.resize(num_chunks);
+  for (int c = 0; c < num_chunks; ++c) {
+    chunks_[c].row_begin = bounds[c];
+    chunks_[c].row_end = bounds[c + 1];
+  }
+  for (const WorkItem& w : plan_.items) ++chunks_[chunk_of(w)].item_end;
+  int32_t begin = 0;
+  for (OutputChunk& c : chunks_) {
+    c.item_begin = begin;
+    begin += c.item_end;
+    c.item_end = c.item_begin;  // the fill position below; the end once filled
+  }
+  std::vector<WorkItem> grouped(plan_.items.size());
+  for (const WorkItem& w : plan_.items) grouped[chunks_[chunk_of(w)].item_end++] = w;
+  plan_.items = std::move(grouped);
 }
 
 size_t LaunchPlan::WorkspaceBytes() const {
@@ -271,6 +326,15 @@ cudaError_t LaunchPlan::EnqueueAppend(cudaStream_t stream) const {
 cudaError_t LaunchPlan::EnqueueAttention(cudaStream_t stream) const {
   return mla_ ? MlaAttention(mla_params_, device_plan_, stream)
               : GqaAttention(gqa_, device_plan_, stream);
+}
+
+cudaError_t LaunchPlan::EnqueueAttentionChunk(cudaStream_t stream, int chunk) const {
+  if (chunk < 0 || chunk >= static_cast<int>(chunks_.size())) return cudaErrorInvalidValue;
+  DevicePlan part = device_plan_;
+  part.items += chunks_[chunk].item_begin;
+  part.num_items = chunks_[chunk].item_end - chunks_[chunk].item_begin;
+  part.num_merges = 0;  // chunked launches split nothing
+  return mla_ ? MlaAttention(mla_params_, part, stream) : GqaAttention(gqa_, part, stream);
 }
 
 cudaError_t LaunchPlan::Enqueue(cudaStream_t stream) const {

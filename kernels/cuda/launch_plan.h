@@ -109,10 +109,29 @@ struct LaunchOptions {
   // WriteIndices.
   const int32_t* call_rows = nullptr;  // [num_calls + 1]
   int num_calls = 0;
+  // Prefill: when the launch's output rows hold at least twice this many bytes and nothing is
+  // split, they are cut into up to kMaxOutputChunks chunks of at least this many bytes, each
+  // computed by a launch of its own (output_chunks()), so a caller can copy a chunk's rows out
+  // while the next is computed. 0: one launch.
+  size_t output_chunk_bytes = 0;
   // Nonzero: an id of the batch's page table (its qo_indptr, kv_* arrays and call rows) that no
   // other table ever has. A launch with the id of the last one planned, on the same pool and
   // tiling, keeps that launch's plan (plan_reused()) instead of planning again.
   uint64_t table_id = 0;
+};
+
+// Most chunks a launch's outputs are cut into (LaunchOptions::output_chunk_bytes).
+inline constexpr int kMaxOutputChunks = 8;
+
+// Query rows [row_begin, row_end) of a launch, written by its work items [item_begin, item_end)
+// and by no other.
+struct OutputChunk {
+  int32_t row_begin = 0;
+  int32_t row_end = 0;
+  int32_t item_begin = 0;
+  int32_t item_end = 0;
+
+  bool operator==(const OutputChunk&) const = default;
 };
 
 class LaunchPlan {
@@ -159,6 +178,12 @@ class LaunchPlan {
   cudaError_t EnqueueCheck(cudaStream_t stream) const;  // a no-op without call_rows
   cudaError_t EnqueueAppend(cudaStream_t stream) const;
   cudaError_t EnqueueAttention(cudaStream_t stream) const;
+  // The chunks of the launch's outputs, in row order (LaunchOptions::output_chunk_bytes); empty
+  // when they are not cut. Their items are the plan's, grouped by chunk, longest first in each.
+  const std::vector<OutputChunk>& output_chunks() const { return chunks_; }
+  // The attention of output_chunks()[chunk] alone: enqueued for every chunk, in any order, they
+  // do what EnqueueAttention does (a chunked launch has no split-KV merge).
+  cudaError_t EnqueueAttentionChunk(cudaStream_t stream, int chunk) const;
 
   bool mla() const { return mla_; }
   // Valid after Bind: the kernels' view of the launch.
@@ -170,6 +195,9 @@ class LaunchPlan {
  private:
   void Plan(const PagedBatch& batch, int page_size, PlanConfig config, const KernelTiling& tiling,
             const LaunchOptions& options);
+  // Cuts the planned prefill's output rows into chunks (LaunchOptions::output_chunk_bytes) and
+  // groups plan_.items by chunk.
+  void ChunkOutputs(const PagedBatch& batch, const PlanConfig& config, size_t chunk_bytes);
   int out_dim() const { return mla_ ? kMlaCkvDim : gqa_.cache.head_dim; }
 
   bool mla_ = false;
@@ -180,6 +208,7 @@ class LaunchPlan {
     int page_size = 0;
     int variant = -1;
     PlanConfig config;
+    size_t output_chunk_bytes = 0;
     bool operator==(const PlanKey& other) const;
   };
   PlanKey planned_;
@@ -194,6 +223,7 @@ class LaunchPlan {
   InputLayout inputs_;
   OutputLayout outputs_;
   AttentionPlan plan_;
+  std::vector<OutputChunk> chunks_;
   std::vector<int32_t> q_lens_, kv_lens_;
   // Geometry and scalars from Plan*; device pointers from Bind.
   GqaParams gqa_;

@@ -287,5 +287,158 @@ TEST(LaunchPlanTest, ATablesIdKeepsItsPlan) {
   EXPECT_FALSE(plan.plan_reused());
 }
 
+// Prefill sequences of the given query rows, each on `cached` more keys, page size 16, pages
+// numbered in order; 8 query heads of 64 on 2 KV heads unless the test says otherwise.
+struct LongPrefill {
+  std::vector<int32_t> qo_indptr{0}, kv_indptr{0}, kv_indices, last;
+  GqaCache cache{nullptr, 1, 1 << 16, 16, 2, 64};
+
+  LongPrefill(const std::vector<int32_t>& q_lens, int cached) {
+    for (int32_t q : q_lens) {
+      const int32_t kv = q + cached, pages = (kv + 15) / 16;
+      qo_indptr.push_back(qo_indptr.back() + q);
+      for (int32_t i = 0; i < pages; ++i) kv_indices.push_back(kv_indptr.back() + i);
+      kv_indptr.push_back(kv_indptr.back() + pages);
+      last.push_back(kv - (pages - 1) * 16);
+    }
+  }
+  PagedBatch View() const {
+    PagedBatch b;
+    b.batch_size = static_cast<int>(last.size());
+    b.total_q = qo_indptr.back();
+    b.qo_indptr = qo_indptr.data();
+    b.kv_indptr = kv_indptr.data();
+    b.kv_indices = kv_indices.data();
+    b.kv_last_page_len = last.data();
+    return b;
+  }
+};
+
+// Chunks tile the rows in order; every item lies inside its chunk's rows; the items are the
+// unchunked plan's, in its order within each chunk.
+void ExpectChunked(const LaunchPlan& chunked, const LaunchPlan& whole, const PagedBatch& batch,
+                   int group, int block_m) {
+  const std::vector<OutputChunk>& chunks = chunked.output_chunks();
+  ASSERT_GE(chunks.size(), 2u);
+  ASSERT_LE(chunks.size(), static_cast<size_t>(kMaxOutputChunks));
+  EXPECT_EQ(chunks.front().row_begin, 0);
+  EXPECT_EQ(chunks.back().row_end, batch.total_q);
+  EXPECT_EQ(chunks.front().item_begin, 0);
+  EXPECT_EQ(chunks.back().item_end, static_cast<int>(chunked.plan().items.size()));
+  const std::vector<WorkItem>& items = chunked.plan().items;
+  std::vector<const WorkItem*> in_order;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    SCOPED_TRACE(c);
+    const OutputChunk& k = chunks[c];
+    EXPECT_LT(k.row_begin, k.row_end);
+    EXPECT_LT(k.item_begin, k.item_end);
+    if (c > 0) {
+      EXPECT_EQ(k.row_begin, chunks[c - 1].row_end);
+      EXPECT_EQ(k.item_begin, chunks[c - 1].item_end);
+    }
+    for (int i = k.item_begin; i < k.item_end; ++i) {
+      const WorkItem& w = items[i];
+      const int q_begin = batch.qo_indptr[w.seq];
+      const int rows = (batch.qo_indptr[w.seq + 1] - q_begin) * group;
+      const int first = q_begin + w.row_begin / group;
+      const int last = q_begin + (std::min(w.row_begin + block_m, rows) - 1) / group;
+      EXPECT_GE(first, k.row_begin);
+      EXPECT_LT(last, k.row_end);
+    }
+  }
+  // The same items: each chunk's are the whole plan's that fall in it, in the same order.
+  std::vector<WorkItem> regrouped;
+  for (const OutputChunk& k : chunks) {
+    for (const WorkItem& w : whole.plan().items) {
+      const int row = batch.qo_indptr[w.seq] + w.row_begin / group;
+      if (row >= k.row_begin && row < k.row_end) regrouped.push_back(w);
+    }
+  }
+  ASSERT_EQ(regrouped.size(), items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    EXPECT_EQ(std::memcmp(&regrouped[i], &items[i], sizeof(WorkItem)), 0) << i;
+  }
+}
+
+TEST(LaunchPlanTest, PrefillOutputsAreCutIntoChunksOfWholeItems) {
+  const LongPrefill t({300, 37, 700, 1}, 200);
+  const PagedBatch batch = t.View();  // 1038 rows of 8 x 64 bf16: 1 KiB each
+  LaunchOptions o = GqaOptions();
+  o.tiling = Tiling(64, 8);  // few SMs: nothing is split
+  LaunchPlan whole;
+  whole.PlanGqa(t.cache, 8, batch, o);
+  ASSERT_TRUE(whole.plan().merges.empty());
+  EXPECT_TRUE(whole.output_chunks().empty());
+  for (const int want : {2, 3, 4, 8, 100}) {
+    SCOPED_TRACE(want);
+    o.output_chunk_bytes = size_t{1038} * 1024 / want;
+    LaunchPlan chunked;
+    chunked.PlanGqa(t.cache, 8, batch, o);
+    ExpectChunked(chunked, whole, batch, /*group=*/4, /*block_m=*/64);
+    EXPECT_LE(chunked.output_chunks().size(), static_cast<size_t>(std::min(want, 8)));
+    // Boundaries inside a sequence fall on item boundaries: 64 rows of group 4, 16 tokens.
+    for (const OutputChunk& k : chunked.output_chunks()) {
+      const auto seq_start =
+          std::upper_bound(t.qo_indptr.begin(), t.qo_indptr.end(), k.row_begin) - 1;
+      EXPECT_EQ((k.row_begin - *seq_start) % 16, 0) << k.row_begin;
+    }
+  }
+  // Less than two chunks' worth: one launch.
+  o.output_chunk_bytes = size_t{1038} * 1024 / 2 + 1;
+  LaunchPlan one;
+  one.PlanGqa(t.cache, 8, batch, o);
+  EXPECT_TRUE(one.output_chunks().empty());
+  EXPECT_EQ(one.EnqueueAttentionChunk(nullptr, 0), cudaErrorInvalidValue);
+}
+
+// Group 5 (10 heads on 2): a token's heads may straddle two 64-row items, so boundaries inside a
+// sequence are multiples of 64 tokens.
+TEST(LaunchPlanTest, ChunkBoundariesKeepAGroupsHeadsTogether) {
+  const LongPrefill t({1000}, 0);
+  LaunchOptions o = GqaOptions();
+  o.tiling = Tiling(64, 4);
+  o.output_chunk_bytes = size_t{1000} * 10 * 64 * 2 / 5;
+  LaunchPlan whole, chunked;
+  const PagedBatch batch = t.View();
+  chunked.PlanGqa(t.cache, 10, batch, o);
+  o.output_chunk_bytes = 0;
+  whole.PlanGqa(t.cache, 10, batch, o);
+  ExpectChunked(chunked, whole, batch, /*group=*/5, /*block_m=*/64);
+  for (const OutputChunk& k : chunked.output_chunks()) EXPECT_EQ(k.row_begin % 64, 0);
+}
+
+// A launch that splits keys (merges) or decodes is never chunked; a kept plan keeps its chunks.
+TEST(LaunchPlanTest, SplitAndDecodeLaunchesAreNotChunked) {
+  const LongPrefill t({600, 600}, 4000);
+  LaunchOptions o = GqaOptions();
+  o.tiling = Tiling(64, 132);  // 76 CTAs on 132 SMs: split
+  o.output_chunk_bytes = 4096;
+  LaunchPlan split;
+  split.PlanGqa(t.cache, 8, t.View(), o);
+  ASSERT_FALSE(split.plan().merges.empty());
+  EXPECT_TRUE(split.output_chunks().empty());
+
+  PagedBatch decode = t.View();
+  decode.qo_indptr = nullptr;
+  decode.total_q = 2;
+  LaunchPlan d;
+  d.PlanGqa(t.cache, 8, decode, o);
+  EXPECT_TRUE(d.output_chunks().empty());
+
+  o.tiling = Tiling(64, 4);
+  o.table_id = 5;
+  LaunchPlan kept;
+  kept.PlanGqa(t.cache, 8, t.View(), o);
+  const std::vector<OutputChunk> chunks = kept.output_chunks();
+  ASSERT_GE(chunks.size(), 2u);
+  kept.PlanGqa(t.cache, 8, t.View(), o);
+  EXPECT_TRUE(kept.plan_reused());
+  EXPECT_EQ(kept.output_chunks(), chunks);
+  o.output_chunk_bytes = 0;  // another setting: planned again
+  kept.PlanGqa(t.cache, 8, t.View(), o);
+  EXPECT_FALSE(kept.plan_reused());
+  EXPECT_TRUE(kept.output_chunks().empty());
+}
+
 }  // namespace
 }  // namespace attn::cuda

@@ -35,6 +35,7 @@ cuda::LaunchOptions Options(bool append, bool lse, float sm_scale, bool causal,
   o.max_partial_rows = kTestPartialRows;
   o.min_chunk_len = overrides.min_chunk_len;
   o.target_waves = overrides.target_waves;
+  o.output_chunk_bytes = overrides.output_chunk_bytes;
   return o;
 }
 
@@ -97,6 +98,16 @@ cudaError_t DeviceBatch::Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>
   ATTN_CUDA_RETURN_IF_ERROR(
       d->Stage(host.q_nope.data(), host.q_pe.data(), host.ckv_new.data(), host.kpe_new.data()));
   *out = std::move(d);
+  return cudaSuccess;
+}
+
+cudaError_t DeviceBatch::RunChunked(cudaStream_t stream, const std::vector<int>& order) {
+  ATTN_CUDA_RETURN_IF_ERROR(launch_.EnqueueCheck(stream));
+  ATTN_CUDA_RETURN_IF_ERROR(launch_.EnqueueAppend(stream));
+  const int n = static_cast<int>(launch_.output_chunks().size());
+  for (int i = 0; i < (order.empty() ? n : static_cast<int>(order.size())); ++i) {
+    ATTN_CUDA_RETURN_IF_ERROR(launch_.EnqueueAttentionChunk(stream, order.empty() ? i : order[i]));
+  }
   return cudaSuccess;
 }
 

@@ -55,6 +55,7 @@ inline constexpr int64_t kTestPartialRows = int64_t{1} << 19;
 struct PlanOverrides {
   int min_chunk_len = 0;
   double target_waves = 0;
+  size_t output_chunk_bytes = 0;  // LaunchOptions::output_chunk_bytes
 };
 
 // One batch resident on the device, runnable many times.
@@ -72,6 +73,10 @@ class DeviceBatch {
   cudaError_t Run(cudaStream_t stream) { return launch_.Enqueue(stream); }
   // Attention alone (what a benchmark times once the cache is filled).
   cudaError_t RunAttention(cudaStream_t stream) { return launch_.EnqueueAttention(stream); }
+  // As Run, with the attention launched chunk by chunk (PlanOverrides::output_chunk_bytes), in
+  // `order` (indices into output_chunks(); empty: in row order).
+  cudaError_t RunChunked(cudaStream_t stream, const std::vector<int>& order = {});
+  const std::vector<cuda::OutputChunk>& output_chunks() const { return launch_.output_chunks(); }
   // Fills the outputs with `byte`: by default NaN-poisoned again (0xff bytes are NaN in bf16 and
   // float32); a test that expects NaN fills them with a finite pattern instead.
   cudaError_t PoisonOutputs(cudaStream_t stream, int byte = 0xff);

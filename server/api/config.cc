@@ -147,6 +147,7 @@ v1::ServerConfig DefaultConfig() {
   b->set_max_call_key_reads(defaults.max_call_key_reads);
   c.set_max_sessions(SessionOptions{}.max_sessions);
   c.set_cuda_direct_output_min_bytes(kDefaultCudaDirectOutputMinBytes);
+  c.set_cuda_output_chunk_bytes(kDefaultCudaOutputChunkBytes);
   v1::PoolConfig* p = c.add_pools();
   p->set_name("default");
   p->set_kind(v1::POOL_KIND_GQA);
@@ -193,6 +194,8 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   s.backend.cuda_single_stream = o.cuda_single_stream.value_or(c.cuda_single_stream());
   s.backend.cuda_direct_output_min_bytes =
       o.cuda_direct_output_min_bytes.value_or(c.cuda_direct_output_min_bytes());
+  s.backend.cuda_output_chunk_bytes =
+      o.cuda_output_chunk_bytes.value_or(c.cuda_output_chunk_bytes());
   s.drain_timeout_seconds = o.drain_timeout_seconds.value_or(c.drain_timeout_seconds());
   const int lease_s = o.session_lease_seconds.value_or(c.session_lease_seconds());
   s.sessions.default_lease = absl::Seconds(lease_s);
@@ -235,6 +238,8 @@ absl::StatusOr<ServerOptions> ResolveConfig(const v1::ServerConfig* file,
   ATTN_RETURN_IF_ERROR(CheckRange("max_sessions", s.sessions.max_sessions, 1, 1 << 24));
   ATTN_RETURN_IF_ERROR(CheckRange("cuda_direct_output_min_bytes",
                                   s.backend.cuda_direct_output_min_bytes, 0,
+                                  std::numeric_limits<int64_t>::max()));
+  ATTN_RETURN_IF_ERROR(CheckRange("cuda_output_chunk_bytes", s.backend.cuda_output_chunk_bytes, 0,
                                   std::numeric_limits<int64_t>::max()));
   ATTN_RETURN_IF_ERROR(
       CheckRange("max_message_bytes", s.max_message_bytes, 1 << 20, kGrpcMessageLimit));

@@ -58,6 +58,7 @@ struct ConfigOverrides {
   std::optional<int> max_sessions;
   std::optional<bool> cuda_single_stream;
   std::optional<int64_t> cuda_direct_output_min_bytes;
+  std::optional<int64_t> cuda_output_chunk_bytes;
   std::optional<int> drain_timeout_seconds;
   std::optional<int> session_lease_seconds;
   std::optional<int> session_max_pages;

@@ -41,6 +41,25 @@ TEST(ConfigTest, MetricsPortZeroInTheFileDisablesMetrics) {
   EXPECT_EQ(s->metrics_port, 9464);
 }
 
+TEST(ConfigTest, OutputChunksDefaultToEightMebibytesAndZeroTurnsThemOff) {
+  auto s = ResolveConfig(nullptr, {});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->backend.cuda_output_chunk_bytes, 8 << 20);
+  const v1::ServerConfig off = Parse("cuda_output_chunk_bytes: 0");
+  s = ResolveConfig(&off, {});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->backend.cuda_output_chunk_bytes, 0);
+  ConfigOverrides o;
+  o.cuda_output_chunk_bytes = 4096;
+  s = ResolveConfig(&off, o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->backend.cuda_output_chunk_bytes, 4096);
+  const v1::ServerConfig negative = Parse("cuda_output_chunk_bytes: -1");
+  s = ResolveConfig(&negative, {});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("cuda_output_chunk_bytes"), std::string::npos);
+}
+
 TEST(ConfigTest, DirectOutputsDefaultToOneMebibyteAndZeroTurnsThemOff) {
   auto s = ResolveConfig(nullptr, {});
   ASSERT_TRUE(s.ok()) << s.status();

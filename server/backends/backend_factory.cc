@@ -17,6 +17,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateDeviceBackend(
     CudaBackendOptions cuda;
     cuda.single_stream = options.cuda_single_stream;
     cuda.direct_output_min_bytes = options.cuda_direct_output_min_bytes;
+    cuda.output_chunk_bytes = options.cuda_output_chunk_bytes;
     cuda.on_fatal_error = std::move(on_fatal_error);
     return CreateCudaBackend(std::move(cuda));
   }

@@ -15,12 +15,14 @@ namespace attn {
 // what the host's wait for the input check's verdict and the kernels' own stores across the link
 // cost (bench/RESULTS.md: batch 64, 512 KiB, even; batch 256, 2 MiB, 57 us faster).
 inline constexpr int64_t kDefaultCudaDirectOutputMinBytes = int64_t{1} << 20;
+inline constexpr int64_t kDefaultCudaOutputChunkBytes = int64_t{8} << 20;
 
 struct BackendOptions {
   std::string kind = "auto";  // "auto", "cpu" or "cuda"
   int cpu_threads = 0;        // 0: hardware concurrency
   bool cuda_single_stream = false;
   int64_t cuda_direct_output_min_bytes = kDefaultCudaDirectOutputMinBytes;  // CudaBackendOptions'
+  int64_t cuda_output_chunk_bytes = kDefaultCudaOutputChunkBytes;           // CudaBackendOptions'
   std::string inject_fault;  // testing hook (server/backends/fault_injection.h); empty: none
 };
 

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <mutex>
 #include <utility>
@@ -172,6 +173,9 @@ class CudaLane final : public Lane {
         device_(options.device),
         workspace_bytes_(options.workspace_bytes),
         direct_output_min_bytes_(options.direct_output_min_bytes),
+        output_chunk_bytes_(op == Op::kPrefill && shared_stream == nullptr
+                                ? std::max<int64_t>(options.output_chunk_bytes, 0)
+                                : 0),
         owns_stream_(shared_stream == nullptr),
         stream_(shared_stream),
         outputs_(/*with_host=*/false),
@@ -186,6 +190,10 @@ class CudaLane final : public Lane {
     if (start_) cudaEventDestroy(start_);
     if (stop_) cudaEventDestroy(stop_);
     if (checked_) cudaEventDestroy(checked_);
+    for (cudaEvent_t e : chunk_done_) {
+      if (e) cudaEventDestroy(e);
+    }
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
     if (stream_ && owns_stream_) cudaStreamDestroy(stream_);
   }
 
@@ -201,6 +209,15 @@ class CudaLane final : public Lane {
     RETURN_IF_CUDA_ERROR(state_, cudaEventCreate(&start_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventCreate(&stop_));
     RETURN_IF_CUDA_ERROR(state_, cudaEventCreateWithFlags(&checked_, cudaEventDisableTiming));
+    if (output_chunk_bytes_ > 0) {
+      int least = 0, greatest = 0;
+      RETURN_IF_CUDA_ERROR(state_, cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      RETURN_IF_CUDA_ERROR(
+          state_, cudaStreamCreateWithPriority(&copy_stream_, cudaStreamNonBlocking, least));
+      for (cudaEvent_t& e : chunk_done_) {
+        RETURN_IF_CUDA_ERROR(state_, cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      }
+    }
     RETURN_IF_CUDA_ERROR(state_, cudaMalloc(&workspace_, workspace_bytes_));
     const PoolGeometry& g = pool_.geometry;
     const bool decode = op_ == Op::kDecode;
@@ -235,6 +252,7 @@ class CudaLane final : public Lane {
     options.tiling = tiling_;
     options.short_prefill = short_prefill_;
     options.max_partial_rows = max_partial_rows_;
+    options.output_chunk_bytes = static_cast<size_t>(output_chunk_bytes_);
     // A lone call on a plan's table: the last launch's plan, and its device copy, may still serve.
     options.table_id = calls.size() == 1 ? calls.front()->table_id : 0;
     const StagedTable last_staged = std::exchange(staged_table_, StagedTable{});
@@ -307,12 +325,20 @@ class CudaLane final : public Lane {
       launch_.WriteOutputsTo(direct.out, direct.lse);
       bytes_out += direct.bytes;
     }
-    RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAttention(stream_));
+    // A chunked launch marks each chunk's rows done for the copies below.
+    const std::vector<cuda::OutputChunk>& chunks = launch_.output_chunks();
+    if (chunks.empty()) {
+      RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAttention(stream_));
+    }
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAttentionChunk(stream_, static_cast<int>(k)));
+      RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(chunk_done_[k], stream_));
+    }
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(stop_, stream_));
 
     // Outputs: straight into the callers' regions (copied there, or written there by the kernels
-    // above), and the sections the responses need in one copy into a pinned buffer they are sent
-    // from.
+    // above), and the sections the responses need into a pinned buffer they are sent from. A
+    // chunked launch's rows are copied on the copy stream as each chunk is done.
     std::shared_ptr<char> response;
     const bool response_out = std::any_of(
         calls.begin(), calls.end(), [](const AttentionCall* c) { return !c->out.in_region(); });
@@ -323,13 +349,6 @@ class CudaLane final : public Lane {
       absl::StatusOr<std::shared_ptr<char>> buffer = responses_->Get(out.bytes);
       if (!buffer.ok()) return buffer.status();
       response = *std::move(buffer);
-      const size_t begin = response_out ? out.out.offset : out.lse.offset;
-      const size_t end =
-          response_lse ? out.lse.offset + out.lse.bytes : out.out.offset + out.out.bytes;
-      RETURN_IF_CUDA_ERROR(
-          state_, cudaMemcpyAsync(response.get() + begin, outputs_.device() + begin, end - begin,
-                                  cudaMemcpyDeviceToHost, stream_));
-      bytes_out += static_cast<int64_t>(end - begin);
     }
     // A refused call writes nothing into its regions: the region copies are queued once the
     // verdicts are in (before the attention is done, so the wait costs the GPU nothing).
@@ -337,24 +356,50 @@ class CudaLane final : public Lane {
       return c->out.in_region() || (c->return_lse && c->lse.in_region());
     });
     if (any_region) RETURN_IF_CUDA_ERROR(state_, cudaEventSynchronize(checked_));
-    for (size_t i = 0; i < calls.size(); ++i) {
-      AttentionCall& c = *calls[i];
-      if (refused[i] != 0) continue;
-      const int64_t row = merged_.row_begin(i);
-      auto to_region = [&](CallOutput& o, size_t section, int64_t row_bytes) -> absl::Status {
-        const size_t bytes = static_cast<size_t>(c.total_q * row_bytes);
-        if (!o.in_region() || bytes == 0) return absl::OkStatus();
+    const cudaStream_t copy = chunks.empty() ? stream_ : copy_stream_;
+    // Rows [lo, hi) of every output section that leaves the device by a copy, on `copy`.
+    auto copy_rows = [&](int64_t lo, int64_t hi) -> absl::Status {
+      auto enqueue = [&](void* dst, size_t section, int64_t row_bytes, int64_t from,
+                         int64_t to) -> absl::Status {
+        if (to <= from) return absl::OkStatus();
+        const size_t bytes = static_cast<size_t>((to - from) * row_bytes);
         bytes_out += static_cast<int64_t>(bytes);
-        RETURN_IF_CUDA_ERROR(state_, cudaMemcpyAsync(o.host ? o.host : o.device,
-                                                     outputs_.device() + section + row * row_bytes,
-                                                     bytes, cudaMemcpyDefault, stream_));
+        RETURN_IF_CUDA_ERROR(
+            state_, cudaMemcpyAsync(dst, outputs_.device() + section + from * row_bytes, bytes,
+                                    cudaMemcpyDefault, copy));
         return absl::OkStatus();
       };
-      if (direct.out == nullptr) ATTN_RETURN_IF_ERROR(to_region(c.out, out.out.offset, out_row));
-      if (c.return_lse && direct.lse == nullptr) {
-        ATTN_RETURN_IF_ERROR(to_region(c.lse, out.lse.offset, lse_row));
+      if (response_out) {
+        ATTN_RETURN_IF_ERROR(enqueue(response.get() + out.out.offset + lo * out_row, out.out.offset,
+                                     out_row, lo, hi));
       }
+      if (response_lse) {
+        ATTN_RETURN_IF_ERROR(enqueue(response.get() + out.lse.offset + lo * lse_row, out.lse.offset,
+                                     lse_row, lo, hi));
+      }
+      for (size_t i = 0; i < calls.size() && any_region; ++i) {
+        AttentionCall& c = *calls[i];
+        if (refused[i] != 0) continue;
+        const int64_t first = merged_.row_begin(i);
+        const int64_t from = std::max(lo, first), to = std::min(hi, first + c.total_q);
+        auto to_region = [&](CallOutput& o, size_t section, int64_t row_bytes) -> absl::Status {
+          if (!o.in_region()) return absl::OkStatus();
+          char* dst = static_cast<char*>(o.host ? o.host : o.device);
+          return enqueue(dst + (from - first) * row_bytes, section, row_bytes, from, to);
+        };
+        if (direct.out == nullptr) ATTN_RETURN_IF_ERROR(to_region(c.out, out.out.offset, out_row));
+        if (c.return_lse && direct.lse == nullptr) {
+          ATTN_RETURN_IF_ERROR(to_region(c.lse, out.lse.offset, lse_row));
+        }
+      }
+      return absl::OkStatus();
+    };
+    if (chunks.empty()) ATTN_RETURN_IF_ERROR(copy_rows(0, merged_.total_q()));
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      RETURN_IF_CUDA_ERROR(state_, cudaStreamWaitEvent(copy_stream_, chunk_done_[k]));
+      ATTN_RETURN_IF_ERROR(copy_rows(chunks[k].row_begin, chunks[k].row_end));
     }
+    if (!chunks.empty()) RETURN_IF_CUDA_ERROR(state_, cudaStreamSynchronize(copy_stream_));
     RETURN_IF_CUDA_ERROR(state_, cudaStreamSynchronize(stream_));
     timer.Next(&stats.execute);
 
@@ -505,8 +550,12 @@ class CudaLane final : public Lane {
   const int device_;
   const int64_t workspace_bytes_;
   const int64_t direct_output_min_bytes_;
+  const int64_t output_chunk_bytes_;  // 0: launches are not chunked (CudaBackendOptions)
   const bool owns_stream_;
   cudaStream_t stream_ = nullptr;
+  // A chunked launch's output copies, each after its chunk's event (output_chunk_bytes_ only).
+  cudaStream_t copy_stream_ = nullptr;
+  std::array<cudaEvent_t, cuda::kMaxOutputChunks> chunk_done_{};
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   cudaEvent_t checked_ = nullptr;  // the finiteness verdicts are on the host
   StagedTable staged_table_;       // none (table_id 0) after a launch that failed before its copy

@@ -28,6 +28,11 @@ struct CudaBackendOptions {
   // bytes has the kernels write it there instead of copying it after them (0: never; a server's
   // default is BackendOptions').
   int64_t direct_output_min_bytes = 0;
+  // A prefill launch whose output rows hold at least twice this many bytes computes them in
+  // chunks of at least this many (at most 8, cuda::LaunchOptions::output_chunk_bytes) and copies
+  // each chunk out while the next is computed, on a copy stream of the lane (0: one launch, then
+  // the copies; so is every launch with single_stream).
+  int64_t output_chunk_bytes = 0;
   // Called once, from a lane's thread, after the first sticky error.
   std::function<void(const absl::Status&)> on_fatal_error;
 };

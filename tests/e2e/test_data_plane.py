@@ -88,21 +88,34 @@ def plane_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlaneServ
         srv.process.wait()
 
 
-@pytest.fixture(scope="module")
-def direct_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlaneServer]:
-    """The same server with every decode's shared-memory output written by the kernels
-    themselves, at any size (--cuda_direct_output_min_bytes=1; the CPU backend has no such path
-    and copies)."""
-    srv = launch(
-        tmp_path_factory.mktemp("direct_outputs"),
-        data_plane_config(),
-        "--cuda_direct_output_min_bytes=1",
-    )
+def plane_server_with(
+    tmp_path_factory: pytest.TempPathFactory, name: str, flag: str
+) -> Iterator[PlaneServer]:
+    """The plane server's configuration with one more flag."""
+    srv = launch(tmp_path_factory.mktemp(name), data_plane_config(), flag)
     try:
         yield PlaneServer(srv, "")
     finally:
         srv.process.kill()
         srv.process.wait()
+
+
+@pytest.fixture(scope="module")
+def direct_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlaneServer]:
+    """The same server with every decode's shared-memory output written by the kernels
+    themselves, at any size (--cuda_direct_output_min_bytes=1; the CPU backend has no such path
+    and copies)."""
+    yield from plane_server_with(
+        tmp_path_factory, "direct_outputs", "--cuda_direct_output_min_bytes=1"
+    )
+
+
+@pytest.fixture(scope="module")
+def chunked_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlaneServer]:
+    """The same server with every prefill launch that can be cut computed in as many output
+    chunks as it allows, each copied out while the next is computed (--cuda_output_chunk_bytes=1;
+    the CPU backend has no such path)."""
+    yield from plane_server_with(tmp_path_factory, "output_chunks", "--cuda_output_chunk_bytes=1")
 
 
 def cuda_available() -> bool:
@@ -241,6 +254,67 @@ def test_non_finite_inputs_are_refused_and_append_nothing(
             np.testing.assert_array_equal(result.output, np.full(q0.shape, 0.25, np.float32))
         finally:
             client.free_pages([page], "gqa")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("pool_name", ["gqa", "gqa_g5", "mla"])
+def test_prefills_computed_in_output_chunks_match_the_reference(
+    plane_server: PlaneServer, chunked_server: PlaneServer, transport: str, pool_name: str
+) -> None:
+    """Prefills long enough to be cut into several output chunks, with append and lse, then a
+    decode: each chunk's rows reach the response or the caller's region."""
+    if transport != "bytes":
+        plane_server.require_regions()
+    with client_for(chunked_server, transport) as client:
+        s = session(client, pool_name, seed=43)
+        try:
+            s.chunk(["a", "b"], [300, 45])
+            s.chunk(["a", "b"], [130, 7])
+            s.decode_step(["a", "b"])
+        finally:
+            s.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_refused_chunked_prefill_appends_nothing(
+    plane_server: PlaneServer, chunked_server: PlaneServer, transport: str
+) -> None:
+    """A NaN in the last new token's V refuses a prefill whose outputs would come in chunks:
+    INVALID_ARGUMENT, and none of its K/V reaches the cache."""
+    if transport != "bytes":
+        plane_server.require_regions()
+    with client_for(chunked_server, transport) as client:
+        driver = TorchCudaInputs(client) if transport == "cuda" else client
+        pool = client.pool_info("gqa")
+        new = 256
+        pages = client.allocate_pages((new + 1 + pool.page_size - 1) // pool.page_size, "gqa")
+        try:
+            ids = np.array(pages, np.int32)
+            first = BatchCsr(np.array([0, 1], np.int32), np.array([0, 1], np.int32),
+                             ids[:1], np.array([1], np.int32))  # fmt: skip
+            last_len = (new + 1) - (len(pages) - 1) * pool.page_size
+            whole = BatchCsr(np.array([0, new], np.int32), np.array([0, len(pages)], np.int32),
+                             ids, np.array([last_len], np.int32))  # fmt: skip
+            heads = (pool.num_kv_heads, pool.head_dim)
+            q0 = np.zeros((1, pool.num_qo_heads, pool.head_dim), np.uint16)  # bf16 0.0
+            half = np.full((1, *heads), 0x3F00, np.uint16)  # bf16 0.5
+            driver.prefill(0, q=q0, k_new=half, v_new=half, table=first, pool="gqa")
+            two = np.full((new, *heads), 0x4000, np.uint16)  # bf16 2.0
+            v_new = two.copy()
+            v_new[-1, 0, 5] = 0x7FC0  # NaN
+            q = np.zeros((new, pool.num_qo_heads, pool.head_dim), np.uint16)
+            with pytest.raises(AttnError) as refused:
+                driver.prefill(0, q=q, k_new=two, v_new=v_new, table=whole, pool="gqa")
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "v_new" in refused.value.message, refused.value.message
+            # q = 0 weighs every slot equally: 0.5 in slot 0 and zeros in the never-written slots
+            # average to 0.5 / 257; any appended 2.0 would show.
+            decode = whole._replace(qo_indptr=np.array([0, 1], np.int32))
+            result = driver.decode(0, q=q0, table=decode, pool="gqa")
+            expected = bf16_to_float(np.full(q0.shape, 0x3F00, np.uint16)) / (new + 1)
+            np.testing.assert_allclose(result.output, expected, rtol=1e-2)
+        finally:
+            client.free_pages(pages, "gqa")
 
 
 def test_bad_references_are_refused_and_change_nothing(plane_server: PlaneServer) -> None:
