@@ -186,7 +186,8 @@ cudaError_t MlaAppendKv(const MlaParams& params, const CallChecks& checks, cudaS
 cudaError_t ZeroPages(void* storage, int num_layers, int num_pages, int64_t page_bytes,
                       const int32_t* pages, int num_listed, cudaStream_t stream);
 
-// Paged attention over the plan (decode when params.batch.qo_indptr is null).
+// Paged attention over the plan (decode when params.batch.qo_indptr is null). The kernels read q
+// and write out 16 bytes at a time: both 16-byte aligned.
 cudaError_t GqaAttention(const GqaParams& params, const DevicePlan& plan, cudaStream_t stream);
 cudaError_t MlaAttention(const MlaParams& params, const DevicePlan& plan, cudaStream_t stream);
 

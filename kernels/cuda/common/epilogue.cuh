@@ -95,6 +95,11 @@ class RowSink {
           make_uint2(PackBf16(v[0] * inv, v[1] * inv), PackBf16(v[2] * inv, v[3] * inv));
     }
   }
+  // Eight bf16 columns [col, col + 8) of `row`, already normalized and packed (16 bytes; out and
+  // its rows are 16-byte aligned).
+  __device__ __forceinline__ void StoreOutputPacked(int64_t row, int col, const uint4& v) const {
+    *reinterpret_cast<uint4*>(out_ + row * out_dim_ + col) = v;
+  }
   template <int kCols>
   __device__ __forceinline__ void StoreColumns(int64_t row, int col, const float (&v)[kCols],
                                                float inv) const {
@@ -156,6 +161,30 @@ class RowSink {
   int head_base_ = 0;
 };
 
+// Four fragments' bf16 words of one row, w[k] the lane's two columns 8 k + 2 (lane % 4) of the
+// four, transposed within the lane's quad (the four lanes that hold the row, `quad` their mask):
+// afterwards w[r] is lane r's word of fragment lane % 4, so the lane holds that fragment's eight
+// columns in order. Two rounds of exchanges with the lane whose quad index differs in bit m, each
+// lane sending the two words it replaces.
+__device__ __forceinline__ uint4 TransposeQuad(uint32_t (&w)[4], int lane, uint32_t quad) {
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    const bool hi = (lane & m) != 0;
+#pragma unroll
+    for (int k0 = 0; k0 < 4; ++k0) {
+      if (k0 & m) continue;
+      const int k1 = k0 | m;
+      const uint32_t recv = __shfl_xor_sync(quad, hi ? w[k0] : w[k1], m);
+      if (hi) {
+        w[k0] = recv;
+      } else {
+        w[k1] = recv;
+      }
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Stores one warp's accumulator fragments (mma C layout): rows row0 + lane / 4 and + 8 of a
 // 16-row tile, columns col0 + 8 j + 2 (lane % 4) + {0, 1}, normalized by the rows' softmax state
 // (m: running max, sums: full sum of 2^(s' - m) of rows g and g + 8). Rows at or past `num_rows`
@@ -178,6 +207,23 @@ __device__ __forceinline__ void StoreRows(const RowSink& sink, const float (&o)[
         sink.StorePartialColumns<2>(row, col + 8 * j, {o[j][2 * x], o[j][2 * x + 1]}, inv);
       }
       if (write_lse && (lane & 3) == 0) sink.StorePartialLse(row, m[x], sums[x]);
+    } else if constexpr (kDTiles % 4 == 0) {
+      // 16 bytes a lane: each group of four fragments transposed within the quad, so that a
+      // warp's store writes 64 contiguous bytes of each of its 8 rows (rather than 4 bytes a
+      // lane, 16 of each row, and 4x the store instructions).
+      const uint32_t quad = 0xfu << (lane & ~3);
+#pragma unroll
+      for (int g = 0; g < kDTiles / 4; ++g) {
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          w[k] = PackBf16(o[4 * g + k][2 * x] * inv, o[4 * g + k][2 * x + 1] * inv);
+        }
+        sink.StoreOutputPacked(row, col0 + 8 * (4 * g + (lane & 3)), TransposeQuad(w, lane, quad));
+      }
+      if (write_lse && sink.has_lse() && (lane & 3) == 0) {
+        sink.StoreOutputLse(p, row, m[x], sums[x]);
+      }
     } else {
 #pragma unroll
       for (int j = 0; j < kDTiles; ++j) {
