@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The service measurements of bench/RESULTS.md: batching efficiency, service overhead, and decode
 # latency beside a long prefill with and without separate CUDA streams, and what each transport
-# (bytes, shared memory, CUDA IPC) costs beyond the kernel. Starts the server itself.
+# (bytes, shared memory, CUDA IPC) costs beyond the kernel, beside a plain socket's floor for the
+# bytes scenarios. Starts the server itself.
 #   bench/service_scenarios.sh [--backend=cuda|cpu] [--seconds=N] [--context=N] [--only=transports]
 #                              [--match=REGEX]   (only the scenarios whose name matches)
 # Needs attnserve and attn_loadgen on PATH; writes JSON to $OUT (default /tmp/service-bench).
@@ -180,6 +181,20 @@ if [ "$backend" = cuda ]; then
   done
 fi
 
+# The floor under the bytes scenarios: the same bytes through a plain loopback socket between two
+# processes, no RPC (bench/socket_floor.py), over TCP and a unix socket. Decode batch 64 sends q,
+# k and v (768 KiB) and reads the output and lse (520 KiB); the prefill 96 MiB and 65 MiB.
+floor() {  # name, request bytes, response bytes
+  local name=$1
+  [[ -z "$match" || "$name" =~ $match ]] || return 0
+  echo "== $name"
+  rm -f "$out/$name.jsonl"
+  python3 bench/socket_floor.py --request="$2" --response="$3" --seconds="$seconds" \
+    --json="$out/$name.jsonl"
+}
+floor socket_floor_decode_b64 786432 532480
+floor socket_floor_prefill_8192 100663296 68157440
+
 if [ "$backend" = cuda ] && [ -z "$only" ]; then
   start_server --cuda_single_stream
   load decode_b64_beside_prefill_one_stream --clients=1 --batch=64 --background_prefill_tokens=8192
@@ -211,6 +226,12 @@ for name in sorted(n for n in r if n.startswith("transport_")):
     print(f"  {name[10:]}: {x['client_us']['p50']:.0f} | {k:.0f} | {e2e['p50']:.0f} / "
           f"{e2e['p99']:.0f} | {x['client_us']['p50'] / max(k, 1):.2f} | "
           f"{x['merged_per_launch']:.2f}")
+floors = [n for n in os.listdir(out) if n.startswith("socket_floor_") and n.endswith(".jsonl")]
+for n in sorted(floors):
+    for line in open(os.path.join(out, n)):
+        x = json.loads(line)
+        print(f"  socket floor, {n[13:-6]} over {x['transport']}: p50 {x['p50_us']:.0f} us, "
+              f"p99 {x['p99_us']:.0f} us (no RPC: what every bytes call pays)")
 for t in ("bytes", "shm"):
     x, lg = r.get(f"python_{t}_decode_b64"), r.get(f"transport_{t}_decode_b64")
     if x and lg:
