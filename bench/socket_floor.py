@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-# The server's unix socket buffers (server/rpc/transport_args.cc) and what this host allows.
+# The socket buffers the server sets on its unix sockets (server/rpc/transport_args.cc).
 BUFFER_BYTES = 4 << 20
 
 
@@ -77,14 +77,12 @@ def measure(transport, request, response, seconds, warmup):
     inbox = memoryview(bytearray(response))
     times = []
     start = time.monotonic()
-    calls = 0
     while time.monotonic() - start < seconds + warmup:
         t0 = time.perf_counter_ns()
         client.sendall(outbox)
         if not read_exactly(client, inbox):
             sys.exit("the echo process closed the connection")
         t1 = time.perf_counter_ns()
-        calls += 1
         if time.monotonic() - start >= warmup:
             times.append((t1 - t0) / 1000.0)
     client.close()
@@ -93,14 +91,15 @@ def measure(transport, request, response, seconds, warmup):
         os.unlink(path)
         os.rmdir(os.path.dirname(path))
     times.sort()
+    p50 = statistics.median(times)
     return {
         "transport": transport,
         "request_bytes": request,
         "response_bytes": response,
         "calls": len(times),
-        "p50_us": statistics.median(times),
+        "p50_us": p50,
         "p99_us": times[min(len(times) - 1, int(0.99 * len(times)))],
-        "gb_per_s": (request + response) / (statistics.median(times) * 1e3),
+        "gb_per_s": (request + response) / (p50 * 1e3),
     }
 
 

@@ -207,27 +207,27 @@ __device__ __forceinline__ void StoreRows(const RowSink& sink, const float (&o)[
         sink.StorePartialColumns<2>(row, col + 8 * j, {o[j][2 * x], o[j][2 * x + 1]}, inv);
       }
       if (write_lse && (lane & 3) == 0) sink.StorePartialLse(row, m[x], sums[x]);
-    } else if constexpr (kDTiles % 4 == 0) {
-      // 16 bytes a lane: each group of four fragments transposed within the quad, so that a
-      // warp's store writes 64 contiguous bytes of each of its 8 rows (rather than 4 bytes a
-      // lane, 16 of each row, and 4x the store instructions).
-      const uint32_t quad = 0xfu << (lane & ~3);
-#pragma unroll
-      for (int g = 0; g < kDTiles / 4; ++g) {
-        uint32_t w[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          w[k] = PackBf16(o[4 * g + k][2 * x] * inv, o[4 * g + k][2 * x + 1] * inv);
-        }
-        sink.StoreOutputPacked(row, col0 + 8 * (4 * g + (lane & 3)), TransposeQuad(w, lane, quad));
-      }
-      if (write_lse && sink.has_lse() && (lane & 3) == 0) {
-        sink.StoreOutputLse(p, row, m[x], sums[x]);
-      }
     } else {
+      if constexpr (kDTiles % 4 == 0) {
+        // 16 bytes a lane: each group of four fragments transposed within the quad, so that a
+        // warp's store writes 64 contiguous bytes of each of its 8 rows (rather than 4 bytes a
+        // lane, 16 of each row, and 4x the store instructions).
+        const uint32_t quad = 0xfu << (lane & ~3);
 #pragma unroll
-      for (int j = 0; j < kDTiles; ++j) {
-        sink.StoreOutputColumns<2>(row, col + 8 * j, {o[j][2 * x], o[j][2 * x + 1]}, inv);
+        for (int g = 0; g < kDTiles / 4; ++g) {
+          uint32_t w[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            w[k] = PackBf16(o[4 * g + k][2 * x] * inv, o[4 * g + k][2 * x + 1] * inv);
+          }
+          sink.StoreOutputPacked(row, col0 + 8 * (4 * g + (lane & 3)),
+                                 TransposeQuad(w, lane, quad));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kDTiles; ++j) {
+          sink.StoreOutputColumns<2>(row, col + 8 * j, {o[j][2 * x], o[j][2 * x + 1]}, inv);
+        }
       }
       if (write_lse && sink.has_lse() && (lane & 3) == 0) {
         sink.StoreOutputLse(p, row, m[x], sums[x]);
