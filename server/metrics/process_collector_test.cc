@@ -75,12 +75,14 @@ TEST(ProcessCollectorTest, CpuTimeGrowsWithWork) {
 class FakeProcTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    root_ = std::filesystem::path(testing::TempDir()) / "fake_proc";
+    // One directory per test process: ctest runs this suite's tests in parallel.
+    root_ = std::filesystem::path(testing::TempDir()) / ("fake_proc." + std::to_string(getpid()));
     std::filesystem::remove_all(root_);
     std::filesystem::create_directories(root_ / "self" / "fd");
     for (const char* fd : {"0", "1", "2", "7"}) Write(std::string("self/fd/") + fd, "");
     Write("stat", "cpu  1 2 3 4\nintr 5\nbtime 1700000000\nprocesses 9\n");
   }
+  void TearDown() override { std::filesystem::remove_all(root_); }
   void Write(const std::string& name, const std::string& text) {
     std::ofstream(root_ / name) << text;
   }
