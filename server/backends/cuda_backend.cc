@@ -304,20 +304,32 @@ class CudaLane final : public Lane {
     bytes_in += static_cast<int64_t>(to - from);
     if (options.table_id != 0) staged_table_ = staged;
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(start_, stream_));
-    // The finiteness check first; its verdicts come back while the append (which skips the
-    // refused calls) and the attention run.
-    RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueCheck(stream_));
-    if (absl::Status st = refused_.Reserve(out.refused.bytes, state_); !st.ok()) return st;
-    RETURN_IF_CUDA_ERROR(state_,
-                         cudaMemcpyAsync(refused_.host(), outputs_.device() + out.refused.offset,
-                                         out.refused.bytes, cudaMemcpyDeviceToHost, stream_));
-    const uint32_t* refused = reinterpret_cast<const uint32_t*>(refused_.host());
-    RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(checked_, stream_));
-    RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAppend(stream_));
     const int64_t out_row = w.out * kBf16, lse_row = w.lse * int64_t{sizeof(float)};
+    // A refused call writes nothing into its regions, so outputs that go to regions (copied or
+    // written by the kernels) wait for the finiteness verdicts, which then come back while the
+    // append (which skips the refused calls) and the attention run. Without regions nothing
+    // waits for them: they come back after the attention, and the stream's kernels run without
+    // a device-to-host copy between them.
+    const bool wants_direct = WantsDirectOutputs(calls, out_row);
+    const bool any_region = std::any_of(calls.begin(), calls.end(), [](const AttentionCall* c) {
+      return c->out.in_region() || (c->return_lse && c->lse.in_region());
+    });
+    const bool early_verdicts = wants_direct || any_region;
+    if (absl::Status st = refused_.Reserve(out.refused.bytes, state_); !st.ok()) return st;
+    const uint32_t* refused = reinterpret_cast<const uint32_t*>(refused_.host());
+    auto copy_verdicts = [&]() -> absl::Status {
+      RETURN_IF_CUDA_ERROR(state_,
+                           cudaMemcpyAsync(refused_.host(), outputs_.device() + out.refused.offset,
+                                           out.refused.bytes, cudaMemcpyDeviceToHost, stream_));
+      RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(checked_, stream_));
+      return absl::OkStatus();
+    };
+    RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueCheck(stream_));
+    if (early_verdicts) ATTN_RETURN_IF_ERROR(copy_verdicts());
+    RETURN_IF_CUDA_ERROR(state_, launch_.EnqueueAppend(stream_));
     int64_t bytes_out = 0;
     DirectOutputs direct;
-    if (WantsDirectOutputs(calls, out_row)) {
+    if (wants_direct) {
       RETURN_IF_CUDA_ERROR(state_, cudaEventSynchronize(checked_));
       if (refused[0] == 0) direct = DirectOutputsOf(*calls.front(), out_row, lse_row);
     }
@@ -335,6 +347,7 @@ class CudaLane final : public Lane {
       RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(chunk_done_[k], stream_));
     }
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(stop_, stream_));
+    if (!early_verdicts) ATTN_RETURN_IF_ERROR(copy_verdicts());
 
     // Outputs: straight into the callers' regions (copied there, or written there by the kernels
     // above), and the sections the responses need into a pinned buffer they are sent from. A
@@ -350,11 +363,8 @@ class CudaLane final : public Lane {
       if (!buffer.ok()) return buffer.status();
       response = *std::move(buffer);
     }
-    // A refused call writes nothing into its regions: the region copies are queued once the
-    // verdicts are in (before the attention is done, so the wait costs the GPU nothing).
-    const bool any_region = std::any_of(calls.begin(), calls.end(), [](const AttentionCall* c) {
-      return c->out.in_region() || (c->return_lse && c->lse.in_region());
-    });
+    // The region copies are queued once the verdicts are in (before the attention is done, so
+    // the wait costs the GPU nothing).
     if (any_region) RETURN_IF_CUDA_ERROR(state_, cudaEventSynchronize(checked_));
     const cudaStream_t copy = chunks.empty() ? stream_ : copy_stream_;
     // Rows [lo, hi) of every output section that leaves the device by a copy, on `copy`.
