@@ -182,8 +182,9 @@ if [ "$backend" = cuda ]; then
 fi
 
 # The floor under the bytes scenarios: the same bytes through a plain loopback socket between two
-# processes, no RPC (bench/socket_floor.py), over TCP and a unix socket. Decode batch 64 sends q,
-# k and v (768 KiB) and reads the output and lse (520 KiB); the prefill 96 MiB and 65 MiB.
+# processes, no RPC (bench/socket_floor.py), over TCP and a unix socket. The decodes of batch 64
+# send q (512 KiB; attn_loadgen appends nothing to a decode) and read the output (512 KiB, no
+# lse); the prefill sends q, k and v (96 MiB) and reads the output (64 MiB).
 floor() {  # name, request bytes, response bytes
   local name=$1
   [[ -z "$match" || "$name" =~ $match ]] || return 0
@@ -192,8 +193,8 @@ floor() {  # name, request bytes, response bytes
   python3 bench/socket_floor.py --request="$2" --response="$3" --seconds="$seconds" \
     --json="$out/$name.jsonl"
 }
-floor socket_floor_decode_b64 786432 532480
-floor socket_floor_prefill_8192 100663296 68157440
+floor socket_floor_decode_b64 524288 524288
+floor socket_floor_prefill_8192 100663296 67108864
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then
   start_server --cuda_single_stream
