@@ -190,33 +190,55 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   BarrierArriveOnCopies(s.QFull());
 
   const PagedRows rows = MlaRows(p.cache, p.batch, w.seq);
-  auto lookup = [&](int t, int64_t(&offset)[T::kKvPasses]) {
-#pragma unroll
-    for (int i = 0; i < T::kKvPasses; ++i) {
-      const int key = w.item.kv_begin + t * kBlockN + row0 + i * kRowsPerPass;
-      offset[i] = t < w.num_tiles ? rows.Offset(min(key, w.item.kv_end - 1)) : 0;
-    }
-  };
-  int64_t offset[T::kKvPasses];
-  lookup(0, offset);
   const int page_size = p.cache.page_size;
   const bool tma = use_tma && page_size % T::kBlockN == 0 && w.item.kv_begin % T::kBlockN == 0;
   const int layer_row0 = w.seq.layer * p.cache.num_pages * page_size;  // the map's rows
+  auto by_tma = [&](int t) {
+    return tma && w.item.kv_begin + t * kBlockN + kBlockN <= w.item.kv_end;
+  };
+  // A tile's page-table reads, issued a tile ahead and kept as they were read: the rows' offsets
+  // are computed from them in the tile's own iteration. Computed at the lookup, they made the
+  // producer wait there for the reads (page size 1 reads a page id per row) before it issued the
+  // copies of the tile before, the first tile's included.
+  // (A tile that comes by TMA reads its one page id when it is issued.)
+  struct Lookup {
+    int32_t page_id[T::kKvPasses];
+    int slot[T::kKvPasses];
+  };
+  auto lookup = [&](int t, Lookup& l) {
+    const bool used = t < w.num_tiles && !by_tma(t);
+    const int key0 = w.item.kv_begin + t * kBlockN;
+#pragma unroll
+    for (int i = 0; i < T::kKvPasses; ++i) {
+      int page;
+      rows.PageSlot(min(key0 + row0 + i * kRowsPerPass, w.item.kv_end - 1), &page, &l.slot[i]);
+      l.page_id[i] = used ? rows.pages[page] : 0;
+    }
+  };
+  Lookup current;
+  lookup(0, current);
   for (int t = 0; t < w.num_tiles; ++t) {
     const int stage = t % T::kStages;
-    int64_t next[T::kKvPasses];
+    Lookup next;
     lookup(t + 1, next);  // the page-table reads fly while this tile is issued
     const uint32_t empty_parity = ((t / T::kStages) & 1) ^ 1;
     const uint32_t dst = s.Kv(stage) + lane_offset;
     const int key0 = w.item.kv_begin + t * kBlockN;
-    const bool by_tma = tma && key0 + kBlockN <= w.item.kv_end;
+    const bool tile_by_tma = by_tma(t);
+    // This tile's rows, from the reads issued a tile ago (while the producer waits for the stage
+    // below, had they not landed yet).
+    int64_t offset[T::kKvPasses];
+#pragma unroll
+    for (int i = 0; i < T::kKvPasses; ++i) {
+      offset[i] = rows.OffsetIn(current.page_id[i], current.slot[i]);
+    }
     const int row =
-        by_tma ? layer_row0 + rows.pages[key0 / page_size] * page_size + key0 % page_size : 0;
+        tile_by_tma ? layer_row0 + rows.pages[key0 / page_size] * page_size + key0 % page_size : 0;
     // Column blocks [first, end), each completing on its own barrier in the order S reads them.
     auto copy_blocks = [&](auto first, auto end) {
 #pragma unroll
       for (int cb = decltype(first)::value; cb < decltype(end)::value; ++cb) {
-        if (by_tma) {
+        if (tile_by_tma) {
           // The barrier still counts 128 arrivals: one of them brings the box's bytes.
           if (tid == 0) {
             BarrierArriveExpectTx(s.KvFull(stage, cb), T::kBlockBytes);
@@ -256,8 +278,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
       copy_blocks(Zero(), Half());
     }
 
-#pragma unroll
-    for (int i = 0; i < T::kKvPasses; ++i) offset[i] = next[i];
+    current = next;
   }
   WaitAllCopies();
 }
