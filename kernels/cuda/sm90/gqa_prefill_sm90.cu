@@ -225,14 +225,30 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
   // key range are either zero-filled (offset -1) or, with kLeanCopies, copy the range's last key
   // again: real, finite data the consumers mask, so every copy is a plain one. (Never the slot
   // itself: a NaN-poisoned slot would survive a zero softmax weight.)
-  auto lookup = [&](int t) -> int64_t {
+  // The page-table read is issued a tile ahead and kept as read: the row's offset is computed
+  // from it in the tile's own iteration. Computed at the lookup, it made the producer wait there
+  // for the read before it issued the copies of the tile before.
+  struct Lookup {
+    int32_t page_id;  // -1: zero-filled
+    int slot;
+  };
+  auto lookup = [&](int t) -> Lookup {
     const int key = w.item.kv_begin + t * kBlockN + row0 + chunk * T::kRowsPerPass;
     const bool used = chunk < T::kKvPasses && t < w.num_tiles;
+    Lookup l;
+    int page;
     if constexpr (T::kLeanCopies) {
-      return used ? rows.Offset(min(key, w.item.kv_end - 1)) : 0;
+      rows.PageSlot(min(key, w.item.kv_end - 1), &page, &l.slot);
+      l.page_id = used ? rows.pages[page] : 0;
     } else {
-      return used && key < w.item.kv_end ? rows.Offset(key) : -1;
+      const bool in_range = used && key < w.item.kv_end;
+      rows.PageSlot(in_range ? key : 0, &page, &l.slot);
+      l.page_id = in_range ? rows.pages[page] : -1;
     }
+    return l;
+  };
+  auto offset_of = [&](const Lookup& l) -> int64_t {
+    return l.page_id >= 0 ? rows.OffsetIn(l.page_id, l.slot) : -1;
   };
   auto copy_tile = [&](uint32_t tile, const bf16* base, int64_t offset) {
     if constexpr (T::kLeanCopies) {
@@ -259,19 +275,20 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     }
   };
 
-  int64_t offset = lookup(0);
+  Lookup current = lookup(0);
   for (int t = 0; t < w.num_tiles; ++t) {
     const int g = w.tiles_before + t;  // the tile's pass through the ring
     const int stage = g % T::kStages;
     const uint32_t parity = ((g / T::kStages) & 1) ^ 1;  // the consumers' release of this stage
-    const int64_t next = lookup(t + 1);  // the page-table read flies while this tile is issued
+    const Lookup next = lookup(t + 1);  // the page-table read flies while this tile is issued
+    const int64_t offset = offset_of(current);  // read a tile ago
     BarrierWait(s.KEmpty(stage), parity);
     copy_tile(s.K(stage), k_base, offset);
     BarrierArriveOnCopies(s.KFull(stage));
     BarrierWait(s.VEmpty(stage), parity);
     copy_tile(s.V(stage), v_base, offset);
     BarrierArriveOnCopies(s.VFull(stage));
-    offset = next;
+    current = next;
   }
   if (tid == 0) Stamp<T>(w.index, PhaseSlot::kProducedClock);
 }
