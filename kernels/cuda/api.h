@@ -72,7 +72,7 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
-// capability 9.0), of which the default (-1) selects kMlaSm90SplitSTma where they run
+// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma where they run
 // (kernels/cuda/sm90/mla_sm90.cu).
 inline constexpr int kMlaPortable = 0;
 inline constexpr int kMlaSm90 = 10;        // 64-key tiles, two stages
@@ -82,6 +82,9 @@ inline constexpr int kMlaSm90Seesaw = 12;  // both consumers compute S, for alte
 // same as 11 and 12).
 inline constexpr int kMlaSm90SplitSTma = 13;
 inline constexpr int kMlaSm90SeesawTma = 14;
+// 13 with the second consumer's P V deferred until S of the next tile is done (under the first's
+// softmax) and each stage released by halves.
+inline constexpr int kMlaSm90LateRightTma = 18;
 // Transposed for few heads: keys and output columns as wgmma's M, 16 or 32 heads (packed rows) as
 // its N, so a decode of 8-32 heads does no tensor work on padding rows. The default for decodes of
 // at most 16 (kMlaSm90Narrow16) or 32 heads (kMlaSm90Narrow32).

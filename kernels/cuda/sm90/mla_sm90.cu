@@ -20,6 +20,10 @@
 //   S of tile t + 1, so tile t's stage is refilled while S of tile t + 1 and its softmax run.
 // Split variant (kSplitS): S accumulates even and odd k-steps into two accumulators, two
 // independent chains of 18 wgmmas instead of one of 36, added once the GEMM is done.
+// Late right half (kLateRight, the default with kSplitS and kTma): warpgroup 2's P V of tile t
+// waits until S of tile t + 1 is done, so that it fills the tensor cores during warpgroup 1's
+// softmax rather than slowing S down; stages are released by halves so that the refill starts
+// as early as before.
 // Seesaw variant (kSeesaw, ConsumeSeesawA/B below): both consumers compute S, for alternate
 // tiles. TMA option (kTma): whole tiles by TMA where the page size allows. Both measured, neither
 // the default (bench/RESULTS.md): the seesaw holds each pair's second tile until the pair's end,
@@ -65,6 +69,7 @@ constexpr int kRowsPerPass = 128 / 8;             // 8 producer lanes per row
 constexpr int kPFullBarrier = 1;   // P and the rescale factors of a tile are in shared memory
 constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
+constexpr int kNextSBarrier = 4;   // kLateRight: S of the next tile is done
 // The seesaw schedule's (ConsumeSeesawA/B), one arrival and one wait per key-tile pair each.
 constexpr int kMaxABarrier = 1;    // the rows' maxima after tile a and P_a are in shared memory
 constexpr int kMaxBBarrier = 2;    // ... after tile b, and P_b
@@ -73,7 +78,8 @@ constexpr int kSumsBarrier = 4;    // each warpgroup's final row sums are in sha
 
 // One kernel instance: the key tile, the ring's depth, how S accumulates and which consumer
 // schedule runs (kSeesaw: ConsumeSeesawA/B; otherwise ConsumeScores/ConsumeSecond).
-template <int kBlockN_, int kStages_, bool kSplitS_, bool kSeesaw_ = false, bool kTma_ = false>
+template <int kBlockN_, int kStages_, bool kSplitS_, bool kSeesaw_ = false, bool kTma_ = false,
+          bool kLateRight_ = false>
 struct Traits {
   static constexpr bool kNarrow = false;
   static constexpr int kBlockM = 64;  // packed rows per CTA
@@ -95,6 +101,13 @@ struct Traits {
   // cp.async (page size 1 puts every row on its own page; a range's last, partial tile copies
   // its last key into the rows past the range, never the slots themselves, which may hold NaN).
   static constexpr bool kTma = kTma_;
+  // Late right half (ConsumeScores/ConsumeSecond): warpgroup 2 issues P V[:, 256:512] of tile t
+  // once S of tile t + 1 is done, under the score warpgroup's softmax, rather than beside S on the
+  // tensor cores. Each stage is released by halves, the score warpgroup's (V's left columns and
+  // the rope block) after its P V and the rest after warpgroup 2's, and S reads the blocks in
+  // the order they are refilled: 0-3, 8, 4-7.
+  static constexpr bool kLateRight = kLateRight_;
+  static_assert(!(kSeesaw && kLateRight), "two different consumer schedules");
   static_assert(!kSeesaw || (kStages == 2 && kBlockN == 64 && !kSplitS),
                 "the seesaw pairs tiles over two stages; Q's rope block fragments and P are 64 "
                 "keys wide");
@@ -115,7 +128,7 @@ struct Traits {
   // Q's, one per column block of each stage (S starts on a tile's first block while the others
   // are in flight), and each stage's release (kSeesaw: of each half, V's left columns [0, 256)
   // and the rest, which different warpgroups finish with).
-  static constexpr int kReleases = kSeesaw ? 2 : 1;
+  static constexpr int kReleases = kSeesaw || kLateRight ? 2 : 1;
   static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
   static constexpr int kSmemBytes =
@@ -260,7 +273,14 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     using Zero = std::integral_constant<int, 0>;
     using Half = std::integral_constant<int, kHalfCols / 64>;
     using All = std::integral_constant<int, kColumnBlocks>;
-    if constexpr (!T::kSeesaw) {
+    if constexpr (T::kLateRight) {
+      using Rope = std::integral_constant<int, kColumnBlocks - 1>;
+      BarrierWait(s.KvEmpty(stage, 0), empty_parity);
+      copy_blocks(Zero(), Half());
+      copy_blocks(Rope(), All());
+      BarrierWait(s.KvEmpty(stage, 1), empty_parity);
+      copy_blocks(Half(), Rope());
+    } else if constexpr (!T::kSeesaw) {
       BarrierWait(s.KvEmpty(stage), empty_parity);
       copy_blocks(Zero(), All());
     } else if (t % 2 == 0) {
@@ -366,6 +386,14 @@ __device__ __forceinline__ uint64_t Opaque(uint64_t x) {
   return x;
 }
 
+// The column block S reads i-th: in order, or (kLateRight) in the order the producer refills a
+// stage's halves.
+template <typename T>
+__device__ __forceinline__ constexpr int BlockOfStep(int i) {
+  if constexpr (!T::kLateRight) return i;
+  return i < kHalfCols / 64 ? i : i == kHalfCols / 64 ? kColumnBlocks - 1 : i - 1;
+}
+
 // Warpgroup 1: scores, softmax, P for both consumers, and output columns [0, 256).
 template <typename T>
 __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w, const Smem<T>& s,
@@ -383,21 +411,22 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   float alpha[2];
   OnlineSoftmax<T::kNTiles> softmax;
 
-  // S = Q K^T: k-step ks reads column block ks / 4 of Q and of the key tile, each waited for
-  // just before its k-steps are issued. The k-steps' descriptors are the tile's first plus the
-  // step's offset (>> 4, the start address field's unit). Q's are the same every tile: hoisted
-  // out of the loop, all 36 of them would stay live (and spill), so the base is laundered
-  // through an opaque move each tile.
+  // S = Q K^T: k-step ks reads column block ks / 4 of Q and of the key tile (kLateRight: block
+  // BlockOfStep(ks / 4)), each waited for just before its k-steps are issued. The k-steps'
+  // descriptors are the tile's first plus the step's offset (>> 4, the start address field's unit).
+  // Q's are the same every tile: hoisted out of the loop, all 36 of them would stay live (and
+  // spill), so the base is laundered through an opaque move each tile.
   const uint64_t q_desc0 = KMajorDescriptor(s.Q());
   auto issue_qk = [&](int t) {
     const uint64_t q_desc = Opaque(q_desc0);
     const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      if (ks % 4 == 0) WaitFull(s, t, ks / 4);
+      const int cb = BlockOfStep<T>(ks / 4);
+      if (ks % 4 == 0) WaitFull(s, t, cb);
       const uint32_t in_block = (ks % 4) * 32;
-      const uint64_t a = q_desc + (((ks / 4) * T::kQBlockBytes + in_block) >> 4);
-      const uint64_t b = k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4);
+      const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
+      const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
       if constexpr (T::kSplitS) {
         if (ks % 2 == 0) {
           Wgmma<kBlockN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
@@ -474,6 +503,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       Release(s, t, lane);
       if constexpr (kMore) {
         WgmmaWait<0>();
+        if constexpr (T::kLateRight) NamedBarrierArrive(kNextSBarrier, 256);
         finish_qk();
         softmax_tile(t + 1);
         ScoresToA(acc, pf);
@@ -514,6 +544,8 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
       NamedBarrierSync(kPFullBarrier, 256);
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
       RescaleAccumulator(o, alpha);
+      // The score warpgroup signals S of tile t + 1 wherever there is one.
+      if (T::kLateRight && t + 1 < w.num_tiles) NamedBarrierSync(kNextSBarrier, 256);
       WgmmaFence();
 #pragma unroll
       for (int ks = 0; ks < T::kPSteps; ++ks) {
@@ -523,7 +555,7 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
       WgmmaCommit();
       WgmmaWait<0>();
       PinRegisters(o);
-      Release(s, t, lane);
+      Release(s, t, lane, T::kLateRight ? 1 : 0);
       // The last tile's P is not refilled: the arrivals match the score warpgroup's waits.
       if (t + 1 < w.num_tiles) NamedBarrierArrive(kPEmptyBarrier, 256);
     }
@@ -876,6 +908,7 @@ struct NarrowTraits {
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
   static constexpr bool kSeesaw = false;
+  static constexpr bool kLateRight = false;
   // cp.async, not TMA, at every page size: 1.5-1.8 us faster at 16 heads on the H200 (93.4 against
   // 95.0 us, bench/RESULTS.md).
   static constexpr bool kTma = false;
@@ -1145,7 +1178,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
     for (int i = 0; i < T::kStages; ++i) {
       for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
-      // One arrival per consumer warp (kSeesaw: of the warpgroup that finishes the half).
+      // One arrival per consumer warp (kSeesaw, kLateRight: of the warpgroup that finishes the
+      // half).
       for (int h = 0; h < T::kReleases; ++h) {
         BarrierInit(s.KvEmpty(i, h), T::kConsumerWarps / T::kReleases);
       }
@@ -1267,6 +1301,8 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<64, 2, true, false, true>>());
     case kMlaSm90SeesawTma:
       return fn(Config<Traits<64, 2, false, true, true>>());
+    case kMlaSm90LateRightTma:
+      return fn(Config<Traits<64, 2, true, false, true, true>>());
     case kMlaSm90Narrow16:
       return fn(Config<NarrowTraits<16>>());
     case kMlaSm90Narrow32:
