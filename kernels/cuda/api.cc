@@ -58,10 +58,10 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
 bool IsSm90Mla(int variant) { return variant >= kMlaSm90; }
 
 // The Hopper MLA variant the default selects: S in two chains with TMA key tiles at page sizes
-// that are multiples of 64 (elsewhere cp.async), the second consumer's P V under the first's
-// softmax. Beside 13 (the same without the late right half) in one H200 run: the 16-head prefill
-// 988 -> 925 us, the 128-head decode 284 -> 277 us, the page-1 seed 276.5 -> 273.5 us
-// (bench/RESULTS.md).
+// that are multiples of 64 (elsewhere cp.async), the second consumer's P V issued once the
+// first's is done. Beside 13 (the same without the late right half) in one H200 run: the 16-head
+// prefill 988 -> 924 us, the 128-head decode 284.6 -> 274.2 us, the page-1 seed 276.5 -> 272.8
+// us (bench/RESULTS.md).
 constexpr int kDefaultSm90Mla = kMlaSm90LateRightTma;
 
 // The Hopper MLA variant the default selects for a launch of num_heads heads: a decode of at most

@@ -82,8 +82,8 @@ inline constexpr int kMlaSm90Seesaw = 12;  // both consumers compute S, for alte
 // same as 11 and 12).
 inline constexpr int kMlaSm90SplitSTma = 13;
 inline constexpr int kMlaSm90SeesawTma = 14;
-// 13 with the second consumer's P V deferred until S of the next tile is done (under the first's
-// softmax) and each stage released by halves.
+// 13 with the second consumer's P V deferred until the first's is done (beside the end of the next
+// S and under the softmax after it) and each stage released by halves.
 inline constexpr int kMlaSm90LateRightTma = 18;
 // Transposed for few heads: keys and output columns as wgmma's M, 16 or 32 heads (packed rows) as
 // its N, so a decode of 8-32 heads does no tensor work on padding rows. The default for decodes of

@@ -21,9 +21,9 @@
 // Split variant (kSplitS): S accumulates even and odd k-steps into two accumulators, two
 // independent chains of 18 wgmmas instead of one of 36, added once the GEMM is done.
 // Late right half (kLateRight, the default with kSplitS and kTma): warpgroup 2's P V of tile t
-// waits until S of tile t + 1 is done, so that it fills the tensor cores during warpgroup 1's
-// softmax rather than slowing S down; stages are released by halves so that the refill starts
-// as early as before.
+// waits until the score warpgroup's is done, so that it runs beside the end of S of tile t + 1
+// and fills the tensor cores during the softmax after it, rather than slowing all of S down;
+// stages are released by halves so that the refill starts as early as before.
 // Seesaw variant (kSeesaw, ConsumeSeesawA/B below): both consumers compute S, for alternate
 // tiles. TMA option (kTma): whole tiles by TMA where the page size allows. Both measured, neither
 // the default (bench/RESULTS.md): the seesaw holds each pair's second tile until the pair's end,
@@ -69,7 +69,7 @@ constexpr int kRowsPerPass = 128 / 8;             // 8 producer lanes per row
 constexpr int kPFullBarrier = 1;   // P and the rescale factors of a tile are in shared memory
 constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
-constexpr int kNextSBarrier = 4;   // kLateRight: S of the next tile is done
+constexpr int kLeftDoneBarrier = 4;  // kLateRight: the score warpgroup's P V of a tile is done
 // The seesaw schedule's (ConsumeSeesawA/B), one arrival and one wait per key-tile pair each.
 constexpr int kMaxABarrier = 1;    // the rows' maxima after tile a and P_a are in shared memory
 constexpr int kMaxBBarrier = 2;    // ... after tile b, and P_b
@@ -102,10 +102,10 @@ struct Traits {
   // its last key into the rows past the range, never the slots themselves, which may hold NaN).
   static constexpr bool kTma = kTma_;
   // Late right half (ConsumeScores/ConsumeSecond): warpgroup 2 issues P V[:, 256:512] of tile t
-  // once S of tile t + 1 is done, under the score warpgroup's softmax, rather than beside S on the
-  // tensor cores. Each stage is released by halves, the score warpgroup's (V's left columns and
-  // the rope block) after its P V and the rest after warpgroup 2's, and S reads the blocks in
-  // the order they are refilled: 0-3, 8, 4-7.
+  // once the score warpgroup's P V of it is done, so that it runs beside the end of S of tile
+  // t + 1 and under the softmax after it, rather than beside all of S. Each stage is released by
+  // halves, the score warpgroup's (V's left columns and the rope block) after its P V and the rest
+  // after warpgroup 2's, and S reads the blocks in the order they are refilled: 0-3, 8, 4-7.
   static constexpr bool kLateRight = kLateRight_;
   static_assert(!(kSeesaw && kLateRight), "two different consumer schedules");
   static_assert(!kSeesaw || (kStages == 2 && kBlockN == 64 && !kSplitS),
@@ -501,9 +501,9 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       PinRegisters(o);
       PinRegisters(pf);  // the GEMM read pf until here
       Release(s, t, lane);
+      if constexpr (kMore && T::kLateRight) NamedBarrierArrive(kLeftDoneBarrier, 256);
       if constexpr (kMore) {
         WgmmaWait<0>();
-        if constexpr (T::kLateRight) NamedBarrierArrive(kNextSBarrier, 256);
         finish_qk();
         softmax_tile(t + 1);
         ScoresToA(acc, pf);
@@ -544,8 +544,8 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
       NamedBarrierSync(kPFullBarrier, 256);
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
       RescaleAccumulator(o, alpha);
-      // The score warpgroup signals S of tile t + 1 wherever there is one.
-      if (T::kLateRight && t + 1 < w.num_tiles) NamedBarrierSync(kNextSBarrier, 256);
+      // The score warpgroup signals its P V of tile t wherever S of tile t + 1 follows it.
+      if (T::kLateRight && t + 1 < w.num_tiles) NamedBarrierSync(kLeftDoneBarrier, 256);
       WgmmaFence();
 #pragma unroll
       for (int ks = 0; ks < T::kPSteps; ++ks) {
