@@ -25,9 +25,9 @@
 // and fills the tensor cores during the softmax after it, rather than slowing all of S down;
 // stages are released by halves so that the refill starts as early as before.
 // Seesaw variant (kSeesaw, ConsumeSeesawA/B below): both consumers compute S, for alternate
-// tiles. TMA option (kTma): whole tiles by TMA where the page size allows. Both measured, neither
-// the default (bench/RESULTS.md): the seesaw holds each pair's second tile until the pair's end,
-// so with two stages its next S waits for copies that could only start then.
+// tiles. TMA option (kTma, part of the default): whole tiles by TMA where the page size allows.
+// The seesaw is measured and not the default (bench/RESULTS.md): it holds each pair's second tile
+// until the pair's end, so with two stages its next S waits for copies that could only start then.
 // Measured and dropped (bench/RESULTS.md): 32-key tiles in four stages (deeper prefetch, but the
 // narrower S reads Q twice as often), and cluster pairs that copied each tile from L2 once for
 // both halves of a 128-head decode: both slower. The pairs again with TMA multicast (one hop,
@@ -127,7 +127,8 @@ struct Traits {
   static constexpr int kKvPasses = kBlockN / kRowsPerPass;
   // Q's, one per column block of each stage (S starts on a tile's first block while the others
   // are in flight), and each stage's release (kSeesaw: of each half, V's left columns [0, 256)
-  // and the rest, which different warpgroups finish with).
+  // and the rest; kLateRight: V's left columns with the rope block, and the rest; different
+  // warpgroups finish with each).
   static constexpr int kReleases = kSeesaw || kLateRight ? 2 : 1;
   static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
