@@ -5,7 +5,7 @@
 # bytes scenarios. Starts the server itself.
 #   bench/service_scenarios.sh [--backend=cuda|cpu] [--seconds=N] [--context=N] [--only=transports]
 #                              [--match=REGEX]   (only the scenarios whose name matches)
-# Needs attnserve and attn_loadgen on PATH; writes JSON to $OUT (default /tmp/service-bench).
+# Needs attnserve, attn_loadgen and grpc_floor on PATH; writes JSON to $OUT (default /tmp/service-bench).
 set -euo pipefail
 backend=cuda seconds=5 context=4096 only="" match=""
 for a in "$@"; do
@@ -195,6 +195,20 @@ floor() {  # name, request bytes, response bytes
 }
 floor socket_floor_decode_b64 524288 524288
 floor socket_floor_prefill_8192 100663296 67108864
+# gRPC's own floor over the same sockets (bench/grpc_floor.cc): an echo of the decode's 512 KiB
+# each way with attnserve's channel arguments, answered by a second thread as the batcher answers,
+# the client asleep in its completion queue as attn_loadgen's is. What the bytes decodes take above
+# it is attnserve's.
+rpc_floor() {  # name, transport, extra flags...
+  local name=$1 transport=$2
+  shift 2
+  [[ -z "$match" || "$name" =~ $match ]] || return 0
+  echo "== $name"
+  grpc_floor --transport="$transport" --request_bytes=524288 --response_bytes=524288 \
+    --seconds="$seconds" --handoff --json="$out/$name.floor" "$@"
+}
+rpc_floor grpc_floor_decode_b64_tcp tcp
+rpc_floor grpc_floor_decode_b64_unix unix
 
 if [ "$backend" = cuda ] && [ -z "$only" ]; then
   start_server --cuda_single_stream
@@ -233,6 +247,10 @@ for n in sorted(floors):
         x = json.loads(line)
         print(f"  socket floor, {n[13:-6]} over {x['transport']}: p50 {x['p50_us']:.0f} us, "
               f"p99 {x['p99_us']:.0f} us (no RPC: what every bytes call pays)")
+for n in sorted(n for n in os.listdir(out) if n.endswith(".floor")):
+    x = json.load(open(os.path.join(out, n)))
+    print(f"  gRPC floor, decode b64 over {x['transport']}: p50 {x['p50_us']:.0f} us, "
+          f"p99 {x['p99_us']:.0f} us (an echo through gRPC: what every bytes call pays)")
 for t in ("bytes", "shm"):
     x, lg = r.get(f"python_{t}_decode_b64"), r.get(f"transport_{t}_decode_b64")
     if x and lg:
