@@ -34,12 +34,12 @@ bool IsSm90Prefill(int variant) {
   return (variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanSerialPersistent) ||
          variant == kGqaPrefillSm90LeanOverlap3 || variant == kGqaPrefillSm90LeanOverlapSolo3 ||
          variant == kGqaPrefillSm90Solo3Persistent || variant == kGqaPrefillSm90Solo3Stamped ||
-         variant == kGqaPrefillSm90Solo3PersistentStamped;
+         variant == kGqaPrefillSm90Solo3PersistentStamped || variant == kGqaPrefillSm90Solo3Tma;
 }
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the
 // fastest that passed kernel_tests on the H200 (bench/RESULTS.md).
-constexpr int kDefaultSm90Prefill = kGqaPrefillSm90LeanOverlapSolo3;
+constexpr int kDefaultSm90Prefill = kGqaPrefillSm90Solo3Tma;
 
 // Resolves a GQA prefill variant for the current device: the default becomes the Hopper kernel
 // where it runs; a Hopper variant where it does not run is an error.

@@ -32,7 +32,7 @@ struct DevicePlan {
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and
 // up the Hopper kernels (sm_90a, compute capability 9.0, head_dim 64 / 128 / 256), of which the
-// default (-1) selects kGqaPrefillSm90LeanOverlapSolo3 where they run (kernels/cuda/sm90/).
+// default (-1) selects kGqaPrefillSm90Solo3Tma where they run (kernels/cuda/sm90/).
 inline constexpr int kGqaPrefillSm90Serial = 10;   // each GEMM waited for before the softmax
 inline constexpr int kGqaPrefillSm90Overlap = 11;  // softmax under P V, warpgroups take turns
 // The two schedules above with the lean producer (row offsets gathered once per tile, plain
@@ -44,10 +44,10 @@ inline constexpr int kGqaPrefillSm90LeanOverlap = 13;
 // default on short sequences, 3-10% slower on long ones, so not the default).
 inline constexpr int kGqaPrefillSm90LeanSerialPersistent = 14;
 // The overlap schedule (softmax under the P V GEMM) with a third K/V stage (head_dim 64 and 128;
-// 256 keeps two), with and without the warpgroups taking turns at the GEMMs. Without turns it is
-// the default: 2-3% faster than 12 on three of kernel_bench's four prefill shapes on the H200 and
-// even on the fourth (bench/RESULTS.md, which also has the schedules that lost: 12 with turns, 13
-// without, 12 with three stages).
+// 256 keeps two), with and without the warpgroups taking turns at the GEMMs. Without turns (19)
+// it was the default before 24: 2-3% faster than 12 on three of kernel_bench's four prefill shapes
+// on the H200 and even on the fourth (bench/RESULTS.md, which also has the schedules that lost:
+// 12 with turns, 13 without, 12 with three stages).
 inline constexpr int kGqaPrefillSm90LeanOverlap3 = 18;
 inline constexpr int kGqaPrefillSm90LeanOverlapSolo3 = 19;
 // A prefill on the decode kernel (16-row CTAs, any compute capability). The planner picks it by
@@ -61,6 +61,12 @@ inline constexpr int kGqaPrefillOnDecodeKernel = 20;
 inline constexpr int kGqaPrefillSm90Solo3Persistent = 22;
 inline constexpr int kGqaPrefillSm90Solo3Stamped = 21;
 inline constexpr int kGqaPrefillSm90Solo3PersistentStamped = 23;
+// kGqaPrefillSm90LeanOverlapSolo3 with key tiles by TMA (one box per page and 64 columns, issued
+// by an elected lane of each producer warp) instead of every producer lane's cp.async, where the
+// page size lets boxes cut whole tiles (16, 32, 64, or a multiple of the tile; elsewhere it runs
+// 19's kernel). The default: 5.5-9% faster than 19 on kernel_bench's four prefill shapes on the
+// H200 (8192 causal 956 -> 881 us; bench/RESULTS.md).
+inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
 // (kernels/cuda/gqa_decode.cu). The default (-1), and short prefills (kGqaPrefillOnDecodeKernel),

@@ -7,9 +7,10 @@
 //   - the producer (warpgroup 0, few registers) copies the Q tile once and then each K and V tile
 //     from its pages with cp.async into a ring (two or three stages) of swizzled tiles; the
 //     copies of a stage complete on the stage's "full" mbarrier, and the producer refills a stage
-//     once both consumers have arrived on its "empty" mbarrier. cp.async rather than TMA because
-//     a tile of 128 keys spans 128 pages at page size 1 and does not align with odd page sizes;
-//     each lane looks up one row's page and its row group shares the offsets by shuffles.
+//     once both consumers have arrived on its "empty" mbarrier. cp.async where TMA cannot cut the
+//     tile (a tile of 128 keys spans 128 pages at page size 1 and does not align with odd page
+//     sizes): each lane looks up one row's page and its row group shares the offsets by shuffles.
+//     The default takes whole tiles by TMA where the page size allows (kTmaKv below).
 //   - two consumers (warpgroups 1, 2; 64 rows each) compute S = Q K^T with wgmma from shared
 //     memory, the online softmax in registers (the accumulator fragment is the mma.sync one, so
 //     the portable OnlineSoftmax / MaskScores / StoreRows apply), and O += P V with P as the
@@ -31,10 +32,25 @@
 // whole Work through a two-slot ring in shared memory: their next work is one shared load away,
 // not a chain of dependent global loads after the last one's epilogue.
 //
+// TMA variant (kTmaKv): key tiles come as TMA boxes, one per page and 64-column block (page sizes
+// 16-128 that divide the tile) or one per column block (page sizes that are multiples of it), each
+// producer warp's elected lane issuing every fourth box, instead of 128 lanes issuing 32 cp.async
+// each after gathering their row offsets (the default since it won 5.5-9% on the H200,
+// bench/RESULTS.md). With cp.async (19) each producer warp issues ~340
+// instructions per tile, a quarter of all issued on its SM sub-partition, in bursts when a stage
+// frees (during the consumers' softmax); here ~170, mostly on the uniform datapath. TMA writes
+// through the async proxy, so the consumers no longer fence (MEMBAR) before each GEMM. A work's
+// last tile, where it reaches past the sequence's keys (slots there may hold NaN), is copied by
+// every producer lane as before; page sizes TMA cannot cut tiles from run the copying twin.
+//
 // Causal block skipping is the planner's (kv_end is cut to the keys the tile's last row sees);
 // masking runs only on the tiles that cross a row's limit. Split-KV items write float32 partials
 // through the common epilogue for the merge kernel.
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/epilogue.cuh"
@@ -57,6 +73,8 @@ constexpr int kThreads = 384;
 constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
 // Named barriers of the consumers' GEMM turns (pingpong): warpgroup w waits on kTurnBarrier + w.
 constexpr int kTurnBarrier = 1;
+// The smallest page TMA boxes are cut to (smaller pages run the copying twin).
+constexpr int kMinTmaPage = 16;
 // The ring in which a persistent producer hands the consumers their next works.
 constexpr int kWorkSlots = 2;
 constexpr int kWorkSlotBytes = 80;  // a Work, 16-byte aligned
@@ -76,10 +94,16 @@ __device__ PhaseStampBuffer g_phase_stamps;
 //   kStages: the K/V ring's depth.
 //   kStamps: each work writes its phase stamps (a record per work index: per CTA unless
 //     persistent).
+//   kTmaKv: key tiles inside the sequence come by TMA (launched with a tensor map of the cache
+//     where the page size allows; CopiesTwin otherwise).
 template <int kHeadDim_, int kBlockN_, bool kOverlap_, bool kPingPong_, bool kLeanCopies_,
-          bool kPersistent_, int kStages_, bool kStamps_ = false>
+          bool kPersistent_, int kStages_, bool kStamps_ = false, bool kTmaKv_ = false>
 struct Traits {
   static constexpr bool kStamps = kStamps_;
+  static constexpr bool kTmaKv = kTmaKv_;
+  static_assert(!kTmaKv || (kLeanCopies_ && !kPersistent_), "TMA: one work per CTA, lean tails");
+  using CopiesTwin = Traits<kHeadDim_, kBlockN_, kOverlap_, kPingPong_, kLeanCopies_, kPersistent_,
+                            kStages_, kStamps_, false>;
   static constexpr int kStages = kStages_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
@@ -192,10 +216,20 @@ __device__ __forceinline__ Work MakeWork(const GqaParams& p, const WorkItem* ite
   return w;
 }
 
-// Warpgroup 0: all copies into shared memory.
+// The leading key tiles of a TMA variant's work that come by TMA: the whole tiles inside the
+// sequence's keys (past kv_end they are real, finite keys the mask hides), when the work starts
+// on the tile grid the pages are cut along (the planner's works all do). The rest, at most the
+// last tile, is copied.
+template <typename T>
+__device__ __forceinline__ int TmaTiles(const Work& w) {
+  if (w.item.kv_begin % T::kBlockN != 0) return 0;
+  return max(0, min(w.num_tiles, (w.seq.kv_len - w.item.kv_begin) / T::kBlockN));
+}
+
+// Warpgroup 0: all copies into shared memory. kv_map: the cache's tensor map (kTmaKv).
 template <typename T>
 __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const Smem<T>& s,
-                                        int tid) {
+                                        const CUtensorMap* kv_map, int tid) {
   constexpr int kBlockN = T::kBlockN;
   const int chunk = tid % T::kChunks;  // this lane's 16 bytes of every row it copies
   const int row0 = tid / T::kChunks;   // and its first row; then every kRowsPerPass-th
@@ -275,20 +309,131 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     }
   };
 
-  Lookup current = lookup(0);
-  for (int t = 0; t < w.num_tiles; ++t) {
-    const int g = w.tiles_before + t;  // the tile's pass through the ring
-    const int stage = g % T::kStages;
-    const uint32_t parity = ((g / T::kStages) & 1) ^ 1;  // the consumers' release of this stage
-    const Lookup next = lookup(t + 1);  // the page-table read flies while this tile is issued
-    const int64_t offset = offset_of(current);  // read a tile ago
-    BarrierWait(s.KEmpty(stage), parity);
-    copy_tile(s.K(stage), k_base, offset);
-    BarrierArriveOnCopies(s.KFull(stage));
-    BarrierWait(s.VEmpty(stage), parity);
-    copy_tile(s.V(stage), v_base, offset);
-    BarrierArriveOnCopies(s.VFull(stage));
-    current = next;
+  if constexpr (T::kTmaKv) {
+    // Boxes of a tile: one per page and column block (pages that divide the tile) or one per
+    // column block (pages the tile divides). Producer warp `warp` issues boxes warp, warp + 4, ...
+    // and makes its warp's one arrival of the four each full barrier counts, with its boxes'
+    // bytes. Every warp follows the ring itself. The warp runs this converged, with the warp index
+    // and the page ids it reads warp-uniform, and one elected lane issues: so the compiler keeps
+    // the boxes' coordinates in uniform registers (~5 instructions a box; from one lane of a
+    // diverged warp it was ~20, the operands moved to uniform registers lane by lane).
+    constexpr int kColumnBlocks = T::kHeadDim / 64;
+    constexpr int kMaxWarpBoxes = kBlockN / kMinTmaPage * kColumnBlocks / 4;
+    const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
+    const int tma_tiles = TmaTiles<T>(w);
+    if (tma_tiles > 0) {
+      if (warp == 0 && ElectOne()) PrefetchTensorMap(kv_map);
+      const int box_rows = min(rows.page_size, kBlockN);
+      const int boxes = kBlockN / box_rows * kColumnBlocks;
+      const int warp_boxes = boxes > warp ? (boxes - warp + 3) / 4 : 0;
+      const uint32_t warp_bytes = warp_boxes * box_rows * 128;
+      const int c0 = w.kv_head * T::kHeadDim;
+      // The map's row of K in the layer's page `id` is 2 (layer_row0 + id) (+ 1 for V).
+      const int layer_row0 = w.seq.layer * p.cache.num_pages;
+      // Tile t's first page (index into the sequence's pages) and its first slot there (nonzero
+      // only for pages larger than the tile), stepped tile by tile.
+      int page, slot;
+      rows.PageSlot(w.item.kv_begin, &page, &slot);
+      auto step = [&](int& tile_page, int& tile_slot) {
+        if (box_rows == kBlockN) {
+          tile_slot += kBlockN;
+          if (tile_slot == rows.page_size) {
+            tile_slot = 0;
+            ++tile_page;
+          }
+        } else {
+          tile_page += kBlockN / box_rows;
+        }
+      };
+      // Box warp + 4 j of a tile is in page warp / kColumnBlocks + 4 j / kColumnBlocks of it (the
+      // column blocks divide 4): this warp's boxes' map rows (of K) in the tile at `tile_page`.
+      const int32_t* warp_pages = rows.pages + warp / kColumnBlocks;
+      auto read_rows = [&](int t, int tile_page, int(&map_rows)[kMaxWarpBoxes]) {
+#pragma unroll
+        for (int j = 0; j < kMaxWarpBoxes; ++j) {
+          const bool used = t < tma_tiles && warp + 4 * j < boxes;
+          map_rows[j] = used ? 2 * (layer_row0 + warp_pages[tile_page + 4 * j / kColumnBlocks]) : 0;
+        }
+      };
+      int map_rows[kMaxWarpBoxes];
+      read_rows(0, page, map_rows);
+      for (int t = 0; t < tma_tiles; ++t) {
+        const int g = w.tiles_before + t;
+        const int stage = g % T::kStages;
+        const uint32_t parity = ((g / T::kStages) & 1) ^ 1;
+        // The next tile's page ids are read while this one is issued.
+        int next_page = page, next_slot = slot;
+        step(next_page, next_slot);
+        int next[kMaxWarpBoxes];
+        read_rows(t + 1, next_page, next);
+        auto issue = [&](uint32_t tile, int half, uint32_t bar) {
+          if (ElectOne()) {
+            if (warp_bytes > 0) {
+              BarrierArriveExpectTx(bar, warp_bytes);
+            } else {
+              BarrierArrive(bar);
+            }
+#pragma unroll
+            for (int j = 0; j < kMaxWarpBoxes; ++j) {
+              const int b = warp + 4 * j;
+              if (b < boxes) {
+                const int cb = b % kColumnBlocks, row = b / kColumnBlocks * box_rows;
+                TmaLoad3d(tile + (cb * kBlockN + row) * 128, kv_map, c0 + cb * 64, slot,
+                          map_rows[j] + half, bar);
+              }
+            }
+          }
+          __syncwarp();
+        };
+        BarrierWait(s.KEmpty(stage), parity);
+        issue(s.K(stage), 0, s.KFull(stage));
+        BarrierWait(s.VEmpty(stage), parity);
+        issue(s.V(stage), 1, s.VFull(stage));
+        page = next_page;
+        slot = next_slot;
+#pragma unroll
+        for (int j = 0; j < kMaxWarpBoxes; ++j) map_rows[j] = next[j];
+      }
+    }
+    // The copied tail: once the stage is free each warp's lanes copy their rows of K and V and
+    // wait for their copies, and one lane makes the warp's arrival on both full barriers.
+    for (int t = tma_tiles; t < w.num_tiles; ++t) {
+      const int g = w.tiles_before + t;
+      const int stage = g % T::kStages;
+      const uint32_t parity = ((g / T::kStages) & 1) ^ 1;
+      BarrierWait(s.KEmpty(stage), parity);
+      BarrierWait(s.VEmpty(stage), parity);
+      const int64_t offset = offset_of(lookup(t));
+#pragma unroll 1
+      for (int i = 0; i < T::kKvPasses; ++i) {
+        const int64_t row_offset = __shfl_sync(0xffffffffu, offset, group_lane0 + i);
+        const uint32_t dst = SwizzledOffset(kBlockN, row0 + i * T::kRowsPerPass, chunk);
+        CopyAsync16(s.K(stage) + dst, k_base + row_offset);
+        CopyAsync16(s.V(stage) + dst, v_base + row_offset);
+      }
+      WaitAllCopies();
+      __syncwarp();
+      if (tid % 32 == 0) {
+        BarrierArrive(s.KFull(stage));
+        BarrierArrive(s.VFull(stage));
+      }
+    }
+  } else {
+    Lookup current = lookup(0);
+    for (int t = 0; t < w.num_tiles; ++t) {
+      const int g = w.tiles_before + t;  // the tile's pass through the ring
+      const int stage = g % T::kStages;
+      const uint32_t parity = ((g / T::kStages) & 1) ^ 1;  // the consumers' release of this stage
+      const Lookup next = lookup(t + 1);  // the page-table read flies while this tile is issued
+      const int64_t offset = offset_of(current);  // read a tile ago
+      BarrierWait(s.KEmpty(stage), parity);
+      copy_tile(s.K(stage), k_base, offset);
+      BarrierArriveOnCopies(s.KFull(stage));
+      BarrierWait(s.VEmpty(stage), parity);
+      copy_tile(s.V(stage), v_base, offset);
+      BarrierArriveOnCopies(s.VFull(stage));
+      current = next;
+    }
   }
   if (tid == 0) Stamp<T>(w.index, PhaseSlot::kProducedClock);
 }
@@ -340,9 +485,12 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   };
   // Item tile t's stage and phase in the K/V ring, which the CTA's items go through in turn.
   auto stage_of = [&](int t) { return (w.tiles_before + t) % T::kStages; };
+  const int tma_tiles = T::kTmaKv ? TmaTiles<T>(w) : 0;
   auto wait_full = [&](uint32_t bar, int t) {
     BarrierWait(bar, ((w.tiles_before + t) / T::kStages) & 1);
-    FenceProxyAsync();  // the cp.async data, seen through the barrier, before wgmma reads it
+    // The cp.async data, seen through the barrier, before wgmma reads it (TMA tiles were written
+    // through the async proxy wgmma reads by).
+    if (!T::kTmaKv || t >= tma_tiles) FenceProxyAsync();
   };
   // After the last S GEMM of the item has completed, the producer may copy the next item's Q.
   auto done_with_q = [&](int t) {
@@ -372,6 +520,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   if (T::kPingPong && cwg == 1) pass_turn();  // warpgroup 0 goes first
   if (w.num_tiles > 0) {
     BarrierWait(s.QFull(), w.q_uses & 1);
+    if constexpr (T::kTmaKv) FenceProxyAsync();  // Q's copies (the TMA tiles' waits do not fence)
     if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kQReadyClock);
     uint32_t pf[kPSteps][4];
     if constexpr (T::kOverlap) {
@@ -507,7 +656,7 @@ __device__ __forceinline__ void RunPersistent(const GqaParams& p, const WorkItem
         BarrierArrive(s.WorkFull(k % kWorkSlots));
       }
       if (index >= num_works) break;
-      Produce<T>(p, w, s, tid);
+      Produce<T>(p, w, s, nullptr, tid);
     }
     WaitAllCopies();
   } else {
@@ -528,10 +677,10 @@ __device__ __forceinline__ void RunPersistent(const GqaParams& p, const WorkItem
   }
 }
 
+// A CTA of either kernel below; kv_map: the cache's tensor map (kTmaKv), else null.
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
-    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, int num_items,
-                         RowSink sink) {
+__device__ __forceinline__ void RunCta(const GqaParams& p, const WorkItem* __restrict__ items,
+                                       int num_items, RowSink sink, const CUtensorMap* kv_map) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const Smem<T> s{(SharedAddress(smem) + 1023u) & ~1023u};
 
@@ -547,9 +696,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       BarrierInit(s.WorkFull(i), 1);   // the producer's lane 0
       BarrierInit(s.WorkEmpty(i), 8);  // one arrival per consumer warp
     }
+    // Full: the copies of the 128 producer lanes; with kTmaKv one arrival per producer warp (with
+    // its TMA boxes' bytes, or once its lanes' copies of a copied tile have landed).
+    const uint32_t full_arrivals = T::kTmaKv ? 4 : 128;
     for (int i = 0; i < T::kStages; ++i) {
-      BarrierInit(s.KFull(i), 128);
-      BarrierInit(s.VFull(i), 128);
+      BarrierInit(s.KFull(i), full_arrivals);
+      BarrierInit(s.VFull(i), full_arrivals);
       BarrierInit(s.KEmpty(i), 8);  // one arrival per consumer warp
       BarrierInit(s.VEmpty(i), 8);
     }
@@ -562,7 +714,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     if (tid < 128) {
       ReleaseRegisters<T::kProducerRegisters>();
-      Produce<T>(p, MakeWork<T>(p, items, blockIdx.x, Work{}), s, tid);
+      Produce<T>(p, MakeWork<T>(p, items, blockIdx.x, Work{}), s, kv_map, tid);
       WaitAllCopies();
     } else {
       ClaimRegisters<T::kConsumerRegisters>();
@@ -572,10 +724,70 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, int num_items,
+                         RowSink sink) {
+  RunCta<T>(p, items, num_items, sink, nullptr);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    GqaPrefillSm90TmaKernel(const GqaParams p, const WorkItem* __restrict__ items, int num_items,
+                            RowSink sink, const __grid_constant__ CUtensorMap kv_map) {
+  RunCta<T>(p, items, num_items, sink, &kv_map);
+}
+
+// The cache as a 3-D TMA tensor map: (the columns of all KV heads of a token, the slots of a page,
+// the K and V blocks of every layer's pages in order), boxes of 64 columns (one 128-byte column
+// block of a tile) x min(page size, key tile) slots, in the 128-byte swizzle the tiles use. A box
+// of KV head h, column block cb, page id `page` of layer l starts at (h head_dim + 64 cb, first
+// slot, 2 (l num_pages + page) + 0 for K or 1 for V).
+template <typename T>
+bool KvMapFits(const GqaCache& c) {
+  const bool tiles_in_pages = (c.page_size >= kMinTmaPage && T::kBlockN % c.page_size == 0) ||
+                              c.page_size % T::kBlockN == 0;
+  return tiles_in_pages && c.head_dim == T::kHeadDim &&
+         2 * int64_t{c.num_layers} * c.num_pages <= INT32_MAX &&
+         reinterpret_cast<uintptr_t>(c.data) % 16 == 0;
+}
+
+template <typename T>
+cudaError_t EncodeGqaKvMap(const GqaCache& c, CUtensorMap* map) {
+  const TensorMapEncodeTiled encode = TensorMapEncoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t token_bytes = c.TokenStride() * sizeof(bf16);
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(c.TokenStride()),
+                              static_cast<cuuint64_t>(c.page_size),
+                              2 * static_cast<cuuint64_t>(c.num_layers) * c.num_pages};
+  const cuuint64_t strides[2] = {token_bytes, token_bytes * c.page_size};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(std::min(c.page_size, T::kBlockN)), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, c.data, dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <typename T>
+constexpr auto KernelOf() {
+  if constexpr (T::kTmaKv) {
+    return GqaPrefillSm90TmaKernel<T>;
+  } else {
+    return GqaPrefillSm90Kernel<T>;
+  }
+}
+
+template <typename T>
 struct Config {
-  static constexpr auto kKernel = GqaPrefillSm90Kernel<T>;
+  static constexpr auto kKernel = KernelOf<T>();
 
   static cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+    if constexpr (T::kTmaKv) {
+      // Page sizes TMA boxes cannot cut whole tiles from: the same kernel with copies (the same
+      // tiles and shared memory, so the plan holds).
+      if (!KvMapFits<T>(p.cache)) return Config<typename T::CopiesTwin>::Launch(p, plan, stream);
+    }
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink = RowSink::ForGqa(p, plan);
     dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
@@ -588,7 +800,14 @@ struct Config {
           cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
       grid.x = min(grid.x, static_cast<unsigned>(sms));
     }
-    kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, plan.num_items, sink);
+    if constexpr (T::kTmaKv) {
+      CUtensorMap kv_map{};
+      ATTN_CUDA_RETURN_IF_ERROR(EncodeGqaKvMap<T>(p.cache, &kv_map));
+      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, plan.num_items, sink,
+                                                         kv_map);
+    } else {
+      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, plan.num_items, sink);
+    }
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
   }
@@ -606,9 +825,9 @@ struct Config {
 // head_dim 256 (192 KiB), whose O takes 128 registers per lane. A third stage fits head_dim 64
 // and 128 only (224 KiB at 128); head_dim 256 keeps two.
 template <int kHeadDim, bool kOverlap, bool kPingPong, bool kLeanCopies, bool kPersistent = false,
-          int kStages = 2>
+          int kStages = 2, bool kTmaKv = false>
 using TraitsFor = Traits<kHeadDim, kHeadDim == 256 ? 64 : 128, kOverlap, kPingPong, kLeanCopies,
-                         kPersistent, kHeadDim == 256 ? 2 : kStages>;
+                         kPersistent, kHeadDim == 256 ? 2 : kStages, false, kTmaKv>;
 
 template <int kHeadDim, typename Fn>
 cudaError_t WithVariant(int variant, Fn&& fn) {
@@ -627,6 +846,8 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
       return fn(Config<TraitsFor<kHeadDim, true, true, true, false, 3>>());
     case kGqaPrefillSm90LeanOverlapSolo3:
       return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3>>());
+    case kGqaPrefillSm90Solo3Tma:
+      return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3, true>>());
     // Instruments rather than candidates (bench/RESULTS.md), built for head_dim 128 alone.
     case kGqaPrefillSm90Solo3Persistent:
     case kGqaPrefillSm90Solo3Stamped:

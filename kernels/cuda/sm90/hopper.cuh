@@ -6,6 +6,9 @@
 // instructions take), not generic pointers.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the driver entry point is looked up at run time)
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 namespace attn::cuda::sm90 {
@@ -67,6 +70,22 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const void* map, int c0,
       : "memory");
 }
 
+// The same for the box of a 3-D tensor map at (c0 innermost, c1, c2).
+__device__ __forceinline__ void TmaLoad3d(uint32_t dst, const void* map, int c0, int c1, int c2,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// Fetches a tensor map (a __grid_constant__ kernel parameter) into the TMA unit's cache ahead of
+// its first use.
+__device__ __forceinline__ void PrefetchTensorMap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // 16 bytes global -> shared, or 16 zero bytes when !valid (src is then not read).
 __device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -87,6 +106,18 @@ __device__ __forceinline__ void WaitAllCopies() {
 // stores, cp.async seen through an mbarrier) before its later async-proxy reads (wgmma).
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// True in one lane of the calling (converged) warp: it issues what the warp does once. Inside it
+// the compiler keeps warp-uniform operands (TMA coordinates, addresses) in uniform registers.
+__device__ __forceinline__ bool ElectOne() {
+  uint32_t elected = 0;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "elect.sync _|p, 0xffffffff;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(elected));
+  return elected != 0;
 }
 
 // ---- named barriers (ids 1..15; 0 is __syncthreads): `threads` counts the arriving and the
@@ -180,6 +211,29 @@ __device__ __forceinline__ void PinRegisters(uint32_t (&r)[kN][4]) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
   }
+}
+
+// ---- tensor maps (host).
+
+// The driver's cuTensorMapEncodeTiled, looked up once at run time (so the build needs no libcuda);
+// null where the driver has none.
+using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                          const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                          const cuuint32_t*, CUtensorMapInterleave,
+                                          CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                          CUtensorMapFloatOOBfill);
+inline TensorMapEncodeTiled TensorMapEncoder() {
+  static const TensorMapEncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<TensorMapEncodeTiled>(fn);
+  }();
+  return encode;
 }
 
 }  // namespace attn::cuda::sm90

@@ -1212,22 +1212,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
 // The cache as a TMA tensor map: rows of 576 bf16 (every layer's pages in order), boxes of 64
 // rows x 64 columns (one 128-byte column block of a key tile) in the 128-byte swizzle the tiles
-// use. cuTensorMapEncodeTiled is the driver's: looked up once, so the build needs no libcuda.
+// use (hopper.cuh's TensorMapEncoder: the driver's entry point, looked up once).
 cudaError_t EncodeKvMap(const MlaCache& cache, CUtensorMap* map) {
-  using EncodeTiled =
-      CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static const EncodeTiled encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      fn = nullptr;
-    }
-    return reinterpret_cast<EncodeTiled>(fn);
-  }();
+  const TensorMapEncodeTiled encode = TensorMapEncoder();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t dims[2] = {
       kMlaTokenDim, static_cast<cuuint64_t>(cache.num_layers) * cache.num_pages * cache.page_size};
