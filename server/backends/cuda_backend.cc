@@ -333,6 +333,21 @@ class CudaLane final : public Lane {
       RETURN_IF_CUDA_ERROR(state_, cudaEventSynchronize(checked_));
       if (refused[0] == 0) direct = DirectOutputsOf(*calls.front(), out_row, lse_row);
     }
+    // Outputs the responses are sent from: a pinned buffer laid out as the output sections.
+    std::shared_ptr<char> response;
+    const bool response_out = std::any_of(
+        calls.begin(), calls.end(), [](const AttentionCall* c) { return !c->out.in_region(); });
+    const bool response_lse = std::any_of(calls.begin(), calls.end(), [](const AttentionCall* c) {
+      return c->return_lse && !c->lse.in_region();
+    });
+    if (response_out || response_lse) {
+      absl::StatusOr<std::shared_ptr<char>> buffer = responses_->Get(out.bytes);
+      if (!buffer.ok()) return buffer.status();
+      response = *std::move(buffer);
+    }
+    // A decode whose outputs all leave in responses has the kernels write them into that buffer
+    // (ResponseDirectly): no copy after them, and no verdict to wait for.
+    const bool response_direct = !any_region && response_out && ResponseDirectly(response, &direct);
     if (direct.out != nullptr || direct.lse != nullptr) {
       launch_.WriteOutputsTo(direct.out, direct.lse);
       bytes_out += direct.bytes;
@@ -349,22 +364,10 @@ class CudaLane final : public Lane {
     RETURN_IF_CUDA_ERROR(state_, cudaEventRecord(stop_, stream_));
     if (!early_verdicts) ATTN_RETURN_IF_ERROR(copy_verdicts());
 
-    // Outputs: straight into the callers' regions (copied there, or written there by the kernels
-    // above), and the sections the responses need into a pinned buffer they are sent from. A
-    // chunked launch's rows are copied on the copy stream as each chunk is done.
-    std::shared_ptr<char> response;
-    const bool response_out = std::any_of(
-        calls.begin(), calls.end(), [](const AttentionCall* c) { return !c->out.in_region(); });
-    const bool response_lse = std::any_of(calls.begin(), calls.end(), [](const AttentionCall* c) {
-      return c->return_lse && !c->lse.in_region();
-    });
-    if (response_out || response_lse) {
-      absl::StatusOr<std::shared_ptr<char>> buffer = responses_->Get(out.bytes);
-      if (!buffer.ok()) return buffer.status();
-      response = *std::move(buffer);
-    }
-    // The region copies are queued once the verdicts are in (before the attention is done, so
-    // the wait costs the GPU nothing).
+    // Outputs the kernels did not write where they go: copied into the callers' regions, once
+    // the verdicts are in (before the attention is done, so the wait costs the GPU nothing), and
+    // into the buffer the responses are sent from. A chunked launch's rows are copied on the copy
+    // stream as each chunk is done.
     if (any_region) RETURN_IF_CUDA_ERROR(state_, cudaEventSynchronize(checked_));
     const cudaStream_t copy = chunks.empty() ? stream_ : copy_stream_;
     // Rows [lo, hi) of every output section that leaves the device by a copy, on `copy`.
@@ -379,11 +382,11 @@ class CudaLane final : public Lane {
                                     cudaMemcpyDefault, copy));
         return absl::OkStatus();
       };
-      if (response_out) {
+      if (response_out && !response_direct) {
         ATTN_RETURN_IF_ERROR(enqueue(response.get() + out.out.offset + lo * out_row, out.out.offset,
                                      out_row, lo, hi));
       }
-      if (response_lse) {
+      if (response_lse && !response_direct) {
         ATTN_RETURN_IF_ERROR(enqueue(response.get() + out.lse.offset + lo * lse_row, out.lse.offset,
                                      lse_row, lo, hi));
       }
@@ -493,6 +496,29 @@ class CudaLane final : public Lane {
       if (direct.lse != nullptr) direct.bytes += c.total_q * lse_row;
     }
     return direct;
+  }
+
+  // Points `direct` at the response buffer's output sections, for a decode whose outputs all go
+  // to responses; false (and `direct` left alone) for a prefill, or should the buffer's device
+  // address not be found (the copy after the kernels then stays). The kernels write the rows
+  // over the host link as they finish them, which a decode's kernels do at a row per ~4 MB of
+  // cache read (WantsDirectOutputs). Unlike a region, the buffer is the server's own: a refused
+  // call's rows are written and never sent, so nothing waits for the input check's verdict.
+  // On the H200, a batch-64 decode's copies and waits around the kernels went 54-57 -> 44-47
+  // us with its kernel time unchanged (bench/RESULTS.md).
+  bool ResponseDirectly(const std::shared_ptr<char>& response, DirectOutputs* direct) const {
+    if (op_ != Op::kDecode) return false;
+    void* device = nullptr;
+    if (cudaHostGetDevicePointer(&device, response.get(), 0) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    const cuda::OutputLayout& out = launch_.outputs();
+    char* const base = static_cast<char*>(device);
+    direct->out = base + out.out.offset;
+    direct->lse = out.lse.bytes > 0 ? base + out.lse.offset : nullptr;
+    direct->bytes = static_cast<int64_t>(out.out.bytes + out.lse.bytes);
+    return true;
   }
 
   // Large staging kept for a stream of large launches (Run's Trim) goes back once the lane is
