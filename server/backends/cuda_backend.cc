@@ -140,6 +140,17 @@ absl::Status NonFiniteInputs(uint32_t bits, PoolKind kind) {
                    " a NaN or Inf; inputs must be finite (nothing was appended)"));
 }
 
+// The device's address of page-locked host memory (mapped for the device under unified
+// addressing), or null should the lookup fail.
+void* DeviceAddress(void* host) {
+  void* device = nullptr;
+  if (cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
+    cudaGetLastError();  // not sticky
+    return nullptr;
+  }
+  return device;
+}
+
 // Pinned host memory for the outputs the responses are sent from.
 std::unique_ptr<OutputBuffers> PinnedOutputBuffers() {
   return std::make_unique<OutputBuffers>(
@@ -347,7 +358,7 @@ class CudaLane final : public Lane {
     }
     // A decode whose outputs all leave in responses has the kernels write them into that buffer
     // (ResponseDirectly): no copy after them, and no verdict to wait for.
-    const bool response_direct = !any_region && response_out && ResponseDirectly(response, &direct);
+    const bool response_direct = !any_region && ResponseDirectly(response, &direct);
     if (direct.out != nullptr || direct.lse != nullptr) {
       launch_.WriteOutputsTo(direct.out, direct.lse);
       bytes_out += direct.bytes;
@@ -480,19 +491,11 @@ class CudaLane final : public Lane {
   // should the lookup fail, the copy after the kernels stays.
   DirectOutputs DirectOutputsOf(const AttentionCall& c, int64_t out_row, int64_t lse_row) {
     DirectOutputs direct;
-    auto device_address = [](char* host) -> void* {
-      void* device = nullptr;
-      if (cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
-        cudaGetLastError();
-        return nullptr;
-      }
-      return device;
-    };
-    direct.out = device_address(c.out.host);
+    direct.out = DeviceAddress(c.out.host);
     if (direct.out == nullptr) return direct;
     direct.bytes = c.total_q * out_row;
     if (c.return_lse && c.lse.host != nullptr) {
-      direct.lse = device_address(c.lse.host);
+      direct.lse = DeviceAddress(c.lse.host);
       if (direct.lse != nullptr) direct.bytes += c.total_q * lse_row;
     }
     return direct;
@@ -508,13 +511,9 @@ class CudaLane final : public Lane {
   // us with its kernel time unchanged (bench/RESULTS.md).
   bool ResponseDirectly(const std::shared_ptr<char>& response, DirectOutputs* direct) const {
     if (op_ != Op::kDecode) return false;
-    void* device = nullptr;
-    if (cudaHostGetDevicePointer(&device, response.get(), 0) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
+    char* const base = static_cast<char*>(DeviceAddress(response.get()));
+    if (base == nullptr) return false;
     const cuda::OutputLayout& out = launch_.outputs();
-    char* const base = static_cast<char*>(device);
     direct->out = base + out.out.offset;
     direct->lse = out.lse.bytes > 0 ? base + out.lse.offset : nullptr;
     direct->bytes = static_cast<int64_t>(out.out.bytes + out.lse.bytes);
