@@ -28,6 +28,7 @@ struct DevicePlan {
   float* partial_out = nullptr;  // [partial_rows, out_dim] (out_dim: head_dim or kMlaCkvDim)
   float* partial_lse = nullptr;  // [partial_rows]
   int variant = -1;              // KernelTiling::variant the plan was made for
+  int cluster_splits = 0;        // AttentionPlan::cluster_splits: launch in clusters of that many
 };
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and
@@ -97,6 +98,10 @@ inline constexpr int kMlaSm90LateRightTma = 18;
 inline constexpr int kMlaSm90Narrow16 = 16;
 inline constexpr int kMlaSm90Narrow32 = 17;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
+// The same, a split decode's chunks of a row tile run as one cluster that merges them in
+// distributed shared memory instead of a merge kernel.
+inline constexpr int kMlaSm90Narrow16Cluster = 22;
+inline constexpr int kMlaSm90Narrow32Cluster = 23;
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of
 // kPhaseStampSlots words per work (item index * KV heads + KV head: a CTA, unless persistent),
@@ -140,6 +145,7 @@ struct KernelTiling {
   double waves_before_split = 2.0;
   double target_waves = 4.0;  // PlanConfig::target_waves
   double no_split_fill = 0;   // PlanConfig::no_split_fill
+  int cluster_splits = 0;     // PlanConfig::cluster_splits: the kernel merges splits in clusters
 };
 
 // Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA

@@ -86,13 +86,13 @@ RowWidths MlaRowWidths(int num_heads) {
 bool LaunchPlan::PlanKey::operator==(const PlanKey& other) const {
   // PlanConfig is shared with device code (C++17: no defaulted comparison); a field added to it
   // must join the tuple.
-  static_assert(sizeof(PlanConfig) == 72, "compare PlanConfig's new field here");
+  static_assert(sizeof(PlanConfig) == 80, "compare PlanConfig's new field here");
   auto fields = [](const PlanKey& k) {
     const PlanConfig& c = k.config;
     return std::tie(k.table_id, k.mla, k.page_size, k.variant, c.group, c.num_kv_heads,
                     c.num_qo_heads, c.block_m, c.block_n, c.cta_slots, c.causal,
                     c.waves_before_split, c.target_waves, c.no_split_fill, c.min_chunk_len,
-                    c.max_partial_rows, k.output_chunk_bytes);
+                    c.max_partial_rows, c.cluster_splits, k.output_chunk_bytes);
   };
   return fields(*this) == fields(other);
 }
@@ -182,7 +182,8 @@ void LaunchPlan::ChunkOutputs(const PagedBatch& batch, const PlanConfig& config,
   chunks_.clear();
   const int64_t total = batch.total_q;
   const int64_t row_bytes = widths_.out * int64_t{sizeof(bf16)};
-  if (chunk_bytes == 0 || batch.qo_indptr == nullptr || !plan_.merges.empty() || total == 0) {
+  if (chunk_bytes == 0 || batch.qo_indptr == nullptr || !plan_.merges.empty() ||
+      plan_.cluster_splits > 0 || total == 0) {
     return;
   }
   const int64_t want =
@@ -281,6 +282,7 @@ cudaError_t LaunchPlan::Bind(const void* device_inputs, void* device_outputs, vo
   device_plan_.merges = InputAt<MergeRow>(d, inputs_.merges);
   device_plan_.num_merges = static_cast<int>(plan_.merges.size());
   device_plan_.max_splits = plan_.max_splits;
+  device_plan_.cluster_splits = plan_.cluster_splits;
   device_plan_.partial_out = static_cast<float*>(workspace);
   device_plan_.partial_lse = device_plan_.partial_out + plan_.partial_rows * out_dim();
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <queue>
+#include <utility>
 
 namespace attn {
 namespace {
@@ -90,13 +91,56 @@ int ChooseChunkLen(const PlanConfig& c, const std::vector<Tile>& tiles, const in
   return chunk < max_visible ? static_cast<int>(chunk) : 0;
 }
 
+// The sequences in the order of their longest item, each one's items longest first, by `longest`
+// (a sequence's most keys in one item). So the tail of the launch is made of short items, and the
+// CTAs that run side by side are mostly one sequence's (its key tiles stay in L2 for all its
+// query tiles). Sorting the items alone interleaved the sequences: 8 x 512 on 1024 (40/10 heads)
+// read every sequence's K/V once per query tile from DRAM (L2 hit rate 33%, 2.2 TB/s).
+struct LongestFirst {
+  const std::vector<int32_t>& longest;
+  bool operator()(int seq_a, int keys_a, int seq_b, int keys_b) const {
+    if (longest[seq_a] != longest[seq_b]) return longest[seq_a] > longest[seq_b];
+    if (seq_a != seq_b) return seq_a < seq_b;
+    return keys_a > keys_b;
+  }
+};
+
+// A split for a kernel that merges in clusters of n CTAs: each row tile in n consecutive items of
+// about equal length (whole key tiles; the last ones may be empty), the tiles longest first by
+// sequence.
+AttentionPlan PlanClusters(const PlanConfig& c, std::vector<Tile> tiles, int batch_size, int n) {
+  AttentionPlan plan;
+  plan.cluster_splits = n;
+  std::vector<int32_t> longest(batch_size, 0);
+  for (const Tile& t : tiles) longest[t.seq] = std::max(longest[t.seq], t.visible);
+  const LongestFirst order{longest};
+  std::stable_sort(tiles.begin(), tiles.end(), [&order](const Tile& a, const Tile& b) {
+    return order(a.seq, a.visible, b.seq, b.visible);
+  });
+  for (const Tile& t : tiles) {
+    const int chunk = static_cast<int>(CeilDiv(CeilDiv(t.visible, n), c.block_n) * c.block_n);
+    plan.chunk_len = std::max(plan.chunk_len, chunk);
+    for (int s = 0; s < n; ++s) {
+      const int begin = std::min(s * chunk, t.visible);
+      plan.items.push_back({t.seq, t.row_begin, begin, std::min(begin + chunk, t.visible), -1});
+    }
+  }
+  return plan;
+}
+
 }  // namespace
 
 AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const int32_t* kv_lens,
                             int batch_size) {
   AttentionPlan plan;
-  const std::vector<Tile> tiles = MakeTiles(c, q_lens, kv_lens, batch_size);
+  std::vector<Tile> tiles = MakeTiles(c, q_lens, kv_lens, batch_size);
   plan.chunk_len = ChooseChunkLen(c, tiles, q_lens, kv_lens, batch_size);
+  if (plan.chunk_len > 0 && c.cluster_splits > 1) {
+    int max_visible = 0;
+    for (const Tile& t : tiles) max_visible = std::max(max_visible, t.visible);
+    const int splits = static_cast<int>(CeilDiv(max_visible, plan.chunk_len));
+    if (splits <= c.cluster_splits) return PlanClusters(c, std::move(tiles), batch_size, splits);
+  }
 
   // Items chunk-major within a sequence, so CTAs that run side by side read the same keys (L2).
   int32_t q_begin = 0;
@@ -131,20 +175,14 @@ AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const in
     }
     q_begin += q_lens[b];
   }
-  // Longest first, by sequence: the sequences in the order of their longest item, each one's
-  // items longest first. So the tail of the launch is made of short items, and the CTAs that
-  // run side by side are mostly one sequence's (its key tiles stay in L2 for all its query
-  // tiles). Sorting the items alone interleaved the sequences: 8 x 512 on 1024 (40/10 heads)
-  // read every sequence's K/V once per query tile from DRAM (L2 hit rate 33%, 2.2 TB/s).
   std::vector<int32_t> longest(batch_size, 0);
   for (const WorkItem& w : plan.items) {
     longest[w.seq] = std::max(longest[w.seq], w.kv_end - w.kv_begin);
   }
+  const LongestFirst order{longest};
   std::stable_sort(plan.items.begin(), plan.items.end(),
-                   [&longest](const WorkItem& a, const WorkItem& b) {
-                     if (longest[a.seq] != longest[b.seq]) return longest[a.seq] > longest[b.seq];
-                     if (a.seq != b.seq) return a.seq < b.seq;
-                     return a.kv_end - a.kv_begin > b.kv_end - b.kv_begin;
+                   [&order](const WorkItem& a, const WorkItem& b) {
+                     return order(a.seq, a.kv_end - a.kv_begin, b.seq, b.kv_end - b.kv_begin);
                    });
   return plan;
 }

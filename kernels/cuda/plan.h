@@ -10,6 +10,8 @@
 // Split-KV: when the unsplit items cannot fill the GPU, a sequence's keys are cut into chunks of
 // chunk_len keys; each (row tile, chunk) becomes its own item writing float32 partial (output,
 // lse) rows to a workspace, and a merge pass combines the chunks each query token can see.
+// A kernel that merges inside a thread-block cluster (PlanConfig::cluster_splits) instead gets
+// every row tile in exactly that many consecutive items, which write the final rows together.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +63,12 @@ struct PlanConfig {
   double no_split_fill = 0;
   int min_chunk_len = 256;             // a shorter chunk costs more in merging than it gains
   int64_t max_partial_rows = 1 << 22;  // workspace capacity, in (token, head) rows
+  // 0: split sequences are merged by the merge pass. n > 1: the kernel can merge the chunks of a
+  // row tile within a cluster of up to n CTAs. A plan that splits its longest tile into k <= n
+  // chunks then cuts every row tile into exactly k items (AttentionPlan::cluster_splits:
+  // consecutive, chunk s of the tile at index s of its group, whole key tiles of about equal
+  // length, the last ones possibly empty), with partial_row -1, no merges and no workspace.
+  int cluster_splits = 0;
 };
 
 struct AttentionPlan {
@@ -69,6 +77,7 @@ struct AttentionPlan {
   int chunk_len = 0;             // 0: no split
   int max_splits = 0;            // most chunks any merge row combines
   int64_t partial_rows = 0;      // workspace rows the items write
+  int cluster_splits = 0;        // k > 0: the items are row tiles' groups of k chunks (PlanConfig)
 };
 
 // Plans a batch of sequences with the given query and key counts (host arrays of batch_size).

@@ -78,19 +78,42 @@ void ExpectPlanCovers(const PlanConfig& c, const AttentionPlan& plan,
   int max_splits = 0;
   for (const MergeRow& m : plan.merges) max_splits = std::max(max_splits, m.num_splits);
   EXPECT_EQ(plan.max_splits, max_splits);
+  // A cluster plan: groups of n consecutive items, one row tile's chunks in order, each chunk
+  // whole key tiles but the last one that holds keys; the order below is the groups'.
+  std::vector<WorkItem> units;
+  const size_t n = plan.cluster_splits > 1 ? plan.cluster_splits : 1;
+  ASSERT_EQ(plan.items.size() % n, 0u);
+  for (size_t g = 0; g < plan.items.size(); g += n) {
+    WorkItem unit = plan.items[g];
+    for (size_t s = 1; s < n; ++s) {
+      const WorkItem& w = plan.items[g + s];
+      EXPECT_EQ(w.seq, unit.seq) << "item " << g + s;
+      EXPECT_EQ(w.row_begin, unit.row_begin) << "item " << g + s;
+      EXPECT_EQ(w.kv_begin, unit.kv_end) << "item " << g + s;
+      if (w.kv_end > w.kv_begin) {
+        EXPECT_EQ(unit.kv_end % c.block_n, 0) << "item " << g + s;
+      }
+      unit.kv_end = w.kv_end;
+    }
+    if (n > 1) {
+      EXPECT_EQ(unit.kv_begin, 0);
+      EXPECT_EQ(unit.partial_row, -1);
+    }
+    units.push_back(unit);
+  }
   // Sequence by sequence, in the order of their longest items, each one's items longest first.
   const auto keys = [](const WorkItem& w) { return w.kv_end - w.kv_begin; };
   std::set<int> done;
   int32_t group_longest = std::numeric_limits<int32_t>::max();
-  for (size_t i = 0; i < plan.items.size(); ++i) {
-    const WorkItem& w = plan.items[i];
-    if (i > 0 && w.seq == plan.items[i - 1].seq) {
-      EXPECT_GE(keys(plan.items[i - 1]), keys(w)) << "item " << i;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const WorkItem& w = units[i];
+    if (i > 0 && w.seq == units[i - 1].seq) {
+      EXPECT_GE(keys(units[i - 1]), keys(w)) << "item " << i * n;
       continue;
     }
-    if (i > 0) done.insert(plan.items[i - 1].seq);
-    EXPECT_FALSE(done.contains(w.seq)) << "sequence " << w.seq << " comes back at item " << i;
-    EXPECT_LE(keys(w), group_longest) << "item " << i;
+    if (i > 0) done.insert(units[i - 1].seq);
+    EXPECT_FALSE(done.contains(w.seq)) << "sequence " << w.seq << " comes back at item " << i * n;
+    EXPECT_LE(keys(w), group_longest) << "item " << i * n;
     group_longest = keys(w);
   }
 }
@@ -274,6 +297,77 @@ TEST(PlanTest, WorkspaceCapWidensChunks) {
   ExpectPlanCovers(c, plan, q, kv);
 }
 
+TEST(PlanTest, ClusterSplitsCutEveryTileIntoOneGroup) {
+  // The transposed MLA decode merging in clusters of up to 8 CTAs: 64 x 4096 splits into
+  // 2048-key chunks (64 CTAs < 1 wave), so every sequence becomes two adjacent items that write
+  // the final rows together.
+  PlanConfig c;
+  c.group = 16;
+  c.num_qo_heads = 16;
+  c.block_m = 16;
+  c.block_n = 64;
+  c.cta_slots = 132;
+  c.causal = false;
+  c.waves_before_split = 1.0;
+  c.target_waves = 1.0;
+  c.min_chunk_len = 512;
+  c.cluster_splits = 8;
+  // Three short sequences beside them: 64 + 36 keys; one partial tile, so that the second chunk
+  // is empty; no key at all.
+  std::vector<int32_t> q(67, 1), kv(64, 4096);
+  kv.insert(kv.end(), {100, 40, 0});
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 67);
+  EXPECT_EQ(plan.cluster_splits, 2);
+  EXPECT_EQ(plan.items.size(), 134u);
+  EXPECT_TRUE(plan.merges.empty());
+  EXPECT_EQ(plan.partial_rows, 0);
+  EXPECT_EQ(plan.chunk_len, 2048);
+  ExpectPlanCovers(c, plan, q, kv);
+  // (seq, kv_begin, kv_end) of each group's two chunks.
+  const auto chunks = [&](size_t i) {
+    const WorkItem& a = plan.items[i];
+    const WorkItem& b = plan.items[i + 1];
+    return std::vector<int>{a.kv_begin, a.kv_end, b.kv_begin, b.kv_end};
+  };
+  for (size_t i = 0; i < plan.items.size(); i += 2) {
+    switch (plan.items[i].seq) {
+      case 64:
+        EXPECT_EQ(chunks(i), (std::vector<int>{0, 64, 64, 100}));
+        break;
+      case 65:
+        EXPECT_EQ(chunks(i), (std::vector<int>{0, 40, 40, 40}));
+        break;
+      case 66:
+        EXPECT_EQ(chunks(i), (std::vector<int>{0, 0, 0, 0}));
+        break;
+      default:
+        EXPECT_EQ(chunks(i), (std::vector<int>{0, 2048, 2048, 4096}));
+    }
+  }
+
+  // 16 x 4096: 512-key chunks, so clusters of 8.
+  std::vector<int32_t> q16(16, 1), kv16(16, 4096);
+  const AttentionPlan eights = PlanAttention(c, q16.data(), kv16.data(), 16);
+  EXPECT_EQ(eights.cluster_splits, 8);
+  EXPECT_EQ(eights.items.size(), 128u);
+  ExpectPlanCovers(c, eights, q16, kv16);
+
+  // One sequence of 16384 keys takes 32 chunks, more than a cluster: the merge pass does it.
+  std::vector<int32_t> q1{1}, kv1{16384};
+  const AttentionPlan merged = PlanAttention(c, q1.data(), kv1.data(), 1);
+  EXPECT_EQ(merged.cluster_splits, 0);
+  EXPECT_EQ(merged.merges.size(), 1u);
+  EXPECT_EQ(merged.max_splits, 32);
+  ExpectPlanCovers(c, merged, q1, kv1);
+
+  // A batch that fills the GPU unsplit stays one item per tile, with no clusters.
+  std::vector<int32_t> q_big(200, 1), kv_big(200, 4096);
+  const AttentionPlan whole = PlanAttention(c, q_big.data(), kv_big.data(), 200);
+  EXPECT_EQ(whole.cluster_splits, 0);
+  EXPECT_EQ(whole.items.size(), 200u);
+  ExpectPlanCovers(c, whole, q_big, kv_big);
+}
+
 TEST(PlanTest, RaggedBatchesWithEmptyAndUnseeingRows) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 200; ++trial) {
@@ -286,6 +380,7 @@ TEST(PlanTest, RaggedBatchesWithEmptyAndUnseeingRows) {
     c.min_chunk_len = 32;
     c.cta_slots = 8 + rng() % 64;
     c.causal = rng() % 4 != 0;
+    c.cluster_splits = trial % 3 == 0 ? 2 << (rng() % 3) : 0;
     const int batch = 1 + rng() % 6;
     std::vector<int32_t> q(batch), kv(batch);
     for (int b = 0; b < batch; ++b) {

@@ -40,6 +40,7 @@
 // never the slot itself, which may hold NaN). Causal block skipping is the planner's; masking
 // runs only on tiles that cross a row's limit. Split-KV items write float32 partials through the
 // common epilogue for the merge kernel.
+#include <cooperative_groups.h>
 #include <cuda.h>  // CUtensorMap (the driver entry point is looked up at run time)
 #include <cuda_runtime.h>
 
@@ -82,6 +83,7 @@ template <int kBlockN_, int kStages_, bool kSplitS_, bool kSeesaw_ = false, bool
           bool kLateRight_ = false>
 struct Traits {
   static constexpr bool kNarrow = false;
+  static constexpr bool kClusterMerge = false;
   static constexpr int kBlockM = 64;  // packed rows per CTA
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
@@ -898,9 +900,17 @@ __device__ __forceinline__ void ConsumeSeesawB(const MlaParams& p, const Work& w
 // launching the merge as a programmatic dependent (no change), the merge done by each
 // sequence's last chunk to finish instead of a merge kernel (counters in the workspace; the
 // kernel ran 94 us against 82 + 5 for the two: the merge lands in the one wave's tail).
-template <int kN_>
+// Cluster merge (kClusterMerge, MergeCluster below): a split decode's chunks of one row tile run
+// as one thread-block cluster (PlanConfig::cluster_splits, up to kMaxClusterSplits), which merges
+// them through distributed shared memory when all are done: no partial rows in global memory,
+// no merge kernel and no second launch, and no wait on other CTAs but the cluster's own, which
+// started together and stream equal shares of the keys.
+constexpr int kMaxClusterSplits = 8;  // the largest portable cluster
+
+template <int kN_, bool kClusterMerge_ = false>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
+  static constexpr bool kClusterMerge = kClusterMerge_;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
   static_assert(kN == 16 || kN == 32, "the widths of Wgmma<16> and Wgmma<32>");
   static constexpr int kBlockM = kN;
@@ -933,16 +943,28 @@ struct NarrowTraits {
   // The epilogue stages the finished rows as floats over the key stages, rows 4 floats apart in
   // banks (conflict-free for the fragments' stores, 16-byte aligned for the rows' loads).
   static constexpr int kStagingStride = kMlaCkvDim + 4;
-  static_assert(kN * kStagingStride * 4 <= kStages * kTileBytes);
+  // After them, kClusterMerge's: each row's chunk lse.
+  static_assert((kN * kStagingStride + kN) * 4 <= kStages * kTileBytes);
 };
+
+// The narrow epilogue's staging (NarrowTraits::kStagingStride) over the key stages, and after it
+// the rows' chunk lse (kClusterMerge).
+template <typename T>
+__device__ __forceinline__ float* NarrowStaging(const Smem<T>& s) {
+  return reinterpret_cast<float*>(s.ptr + (s.Kv(0) - s.base));
+}
 
 // The consumer warpgroup's named barriers (128 threads each).
 constexpr int kNarrowMaxBarrier = 1;  // every warp's tile maxima are in shared memory
 constexpr int kNarrowPBarrier = 2;    // P^T is in shared memory (also: the epilogue's steps)
 
+// `clustered`: the item is one chunk of a cluster's row tile (kClusterMerge), whose rows this
+// warpgroup leaves in the staging, normalized by their chunk sum, with their chunk lse, for
+// MergeCluster; otherwise it stores them through the sink.
 template <typename T>
 __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w, const Smem<T>& s,
-                                              int ctid, const RowSink& launch_sink) {
+                                              int ctid, const RowSink& launch_sink,
+                                              bool clustered) {
   constexpr int kN = T::kN, kNT = T::kNTiles;
   const RowSink sink = launch_sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
   const int warp = ctid / 32, lane = ctid % 32;
@@ -1127,7 +1149,8 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
     }
   }
   NamedBarrierSync(kNarrowPBarrier, 128);
-  float* const staging = reinterpret_cast<float*>(s.ptr + (s.Kv(0) - s.base));
+  float* const staging = NarrowStaging(s);
+  float* const chunk_lse = staging + kN * T::kStagingStride;
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
 #pragma unroll
@@ -1137,7 +1160,9 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
 #pragma unroll
       for (int x = 1; x < T::kConsumerWarps; ++x) v += warp_sum[x * kN + h];
       const int packed = w.item.row_begin + h;
-      const float inv = h < item_rows ? sink.Inverse(packed, m[j][e], v) : 0.f;
+      const float inv = h >= item_rows ? 0.f
+                        : clustered    ? ChunkInverseSum(v)
+                                       : sink.Inverse(packed, m[j][e], v);
 #pragma unroll
       for (int mb = 0; mb < T::kOBlocks; ++mb) {
 #pragma unroll
@@ -1146,11 +1171,16 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
           staging[h * T::kStagingStride + 64 * mb + key0 + 8 * x] = o[mb][j][e + 2 * x] * inv;
         }
       }
-      if (warp == 0 && lane < 4 && h < item_rows) {
-        sink.StoreLse(packed, sink.Row(packed), m[j][e], v);
+      if (warp == 0 && lane < 4) {
+        if (clustered) {
+          chunk_lse[h] = PartialLse(m[j][e], v);
+        } else if (h < item_rows) {
+          sink.StoreLse(packed, sink.Row(packed), m[j][e], v);
+        }
       }
     }
   }
+  if (clustered) return;  // the cluster's barrier publishes the staging to MergeCluster
   NamedBarrierSync(kNarrowPBarrier, 128);
   // Each lane stores 4 columns of every row: whole rows, 16 bytes a lane.
   for (int h = 0; h < item_rows; ++h) {
@@ -1159,10 +1189,62 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
   }
 }
 
+// The cluster's chunks of one row tile merged as merge_states.cu merges a token's chunks:
+//   lse = log2(sum_c 2^lse_c),  out = sum_c 2^(lse_c - lse) * out_c,
+// from every CTA's staging and chunk lse (ConsumeNarrow, clustered) in distributed shared memory.
+// CTA r of n takes rows r, r + n, ...; each of the 128 consumer lanes 4 columns of a row.
+template <typename T>
+__device__ __forceinline__ void MergeCluster(const MlaParams& p, const Work& w, const Smem<T>& s,
+                                             int ctid, const RowSink& launch_sink) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int n = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const RowSink sink = launch_sink.ForItem(-1, w.seq, p.causal, 0);
+  float* const staging = NarrowStaging(s);
+  const int lse_at = T::kN * T::kStagingStride;
+  const int item_rows = min(T::kN, w.num_rows - w.item.row_begin);
+  for (int h = rank; h < item_rows; h += n) {
+    float weight[kMaxClusterSplits];
+    float max_lse = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSplits; ++c) {
+      weight[c] = c < n ? cluster.map_shared_rank(staging, c)[lse_at + h] : -INFINITY;
+      max_lse = fmaxf(max_lse, weight[c]);
+    }
+    // The merge's rule for the row (merge_states.cu): a NaN or +inf chunk lse makes sum NaN.
+    const float base = ExpBase(max_lse);
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSplits; ++c) {
+      weight[c] = c < n ? Exp2(weight[c] - base) : 0.f;
+      sum += weight[c];
+    }
+    const int packed = w.item.row_begin + h;
+    const float inv = InverseSum(sink.SeesKeys(packed), max_lse, sum);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int c = 0; c < kMaxClusterSplits; ++c) {
+      if (c < n) {
+        const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(staging, c) +
+                                                          h * T::kStagingStride + 4 * ctid);
+        acc[0] += weight[c] * v.x;
+        acc[1] += weight[c] * v.y;
+        acc[2] += weight[c] * v.z;
+        acc[3] += weight[c] * v.w;
+      }
+    }
+    const int64_t row = sink.Row(packed);
+    sink.StoreOutputColumns<4>(row, 4 * ctid, acc, inv);
+    if (ctid == 0 && sink.has_lse()) sink.StoreOutputLse(packed, row, max_lse, sum);
+  }
+}
+
+// `clustered`: the launch runs the plan's row tiles as clusters of their chunks (kClusterMerge).
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
     MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, RowSink sink,
-                  const __grid_constant__ CUtensorMap kv_map, bool use_tma) {
+                  const __grid_constant__ CUtensorMap kv_map, bool use_tma, bool clustered) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t raw = SharedAddress(smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -1192,7 +1274,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     if constexpr (!T::kNarrow) ReleaseRegisters<T::kProducerRegisters>();
     Produce<T>(p, w, s, kv_map, use_tma, tid);
   } else if constexpr (T::kNarrow) {
-    ConsumeNarrow<T>(p, w, s, tid - 128, sink);
+    ConsumeNarrow<T>(p, w, s, tid - 128, sink, clustered);
   } else if (tid < 256) {
     ClaimRegisters<T::kFirstRegisters>();
     if constexpr (T::kSeesaw) {
@@ -1206,6 +1288,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       ConsumeSeesawB<T>(p, w, s, tid - 256, sink);
     } else {
       ConsumeSecond<T>(p, w, s, tid - 256, sink);
+    }
+  }
+  if constexpr (T::kClusterMerge) {
+    if (clustered) {
+      // Every thread of the cluster, the producers' too: each CTA's chunk is staged, then no CTA
+      // leaves while another may still read its shared memory.
+      cooperative_groups::this_cluster().sync();
+      if (tid >= 128) MergeCluster<T>(p, w, s, tid - 128, sink);
+      cooperative_groups::this_cluster().sync();
     }
   }
 }
@@ -1242,8 +1333,30 @@ struct Config {
         T::kTma && p.cache.page_size % T::kBlockN == 0 &&
         int64_t{p.cache.num_layers} * p.cache.num_pages * p.cache.page_size <= INT32_MAX;
     if (use_tma) ATTN_CUDA_RETURN_IF_ERROR(EncodeKvMap(p.cache, &kv_map));
-    kKernel<<<plan.num_items, T::kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map,
-                                                                    use_tma);
+    const bool clustered = plan.cluster_splits > 1;
+    if (clustered) {
+      if (!T::kClusterMerge || plan.cluster_splits > kMaxClusterSplits ||
+          plan.num_items % plan.cluster_splits != 0) {
+        return cudaErrorInvalidValue;
+      }
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = static_cast<unsigned>(plan.cluster_splits);
+      cluster.val.clusterDim.y = 1;
+      cluster.val.clusterDim.z = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(plan.num_items);
+      config.blockDim = dim3(T::kThreads);
+      config.dynamicSmemBytes = T::kSmemBytes;
+      config.stream = stream;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      ATTN_CUDA_RETURN_IF_ERROR(
+          cudaLaunchKernelEx(&config, kKernel, p, plan.items, sink, kv_map, use_tma, true));
+    } else {
+      kKernel<<<plan.num_items, T::kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map,
+                                                                      use_tma, false);
+    }
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
   }
@@ -1263,6 +1376,7 @@ struct Config {
       if (decode) {
         tiling->waves_before_split = 1.0;
         tiling->target_waves = 1.0;
+        if (T::kClusterMerge) tiling->cluster_splits = kMaxClusterSplits;
       }
     } else {
       // As the portable kernel: a chunk's 64 x 512 float partials cost little next to 1024 keys.
@@ -1295,6 +1409,10 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<16>>());
     case kMlaSm90Narrow32:
       return fn(Config<NarrowTraits<32>>());
+    case kMlaSm90Narrow16Cluster:
+      return fn(Config<NarrowTraits<16, true>>());
+    case kMlaSm90Narrow32Cluster:
+      return fn(Config<NarrowTraits<32, true>>());
     default:
       return cudaErrorInvalidValue;
   }
