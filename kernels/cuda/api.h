@@ -93,13 +93,13 @@ inline constexpr int kMlaSm90SeesawTma = 14;
 // S and under the softmax after it) and each stage released by halves.
 inline constexpr int kMlaSm90LateRightTma = 18;
 // Transposed for few heads: keys and output columns as wgmma's M, 16 or 32 heads (packed rows) as
-// its N, so a decode of 8-32 heads does no tensor work on padding rows. The default for decodes of
-// at most 16 (kMlaSm90Narrow16) or 32 heads (kMlaSm90Narrow32).
+// its N, so a decode of 8-32 heads does no tensor work on padding rows.
 inline constexpr int kMlaSm90Narrow16 = 16;
 inline constexpr int kMlaSm90Narrow32 = 17;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
 // The same, a split decode's chunks of a row tile run as one cluster that merges them in
-// distributed shared memory instead of a merge kernel.
+// distributed shared memory instead of a merge kernel: the default for decodes of at most 16
+// (kMlaSm90Narrow16Cluster) or 32 heads (kMlaSm90Narrow32Cluster).
 inline constexpr int kMlaSm90Narrow16Cluster = 22;
 inline constexpr int kMlaSm90Narrow32Cluster = 23;
 
