@@ -35,7 +35,8 @@ bool IsSm90Prefill(int variant) {
   return (variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanSerialPersistent) ||
          variant == kGqaPrefillSm90LeanOverlap3 || variant == kGqaPrefillSm90LeanOverlapSolo3 ||
          variant == kGqaPrefillSm90Solo3Persistent || variant == kGqaPrefillSm90Solo3Stamped ||
-         variant == kGqaPrefillSm90Solo3PersistentStamped || variant == kGqaPrefillSm90Solo3Tma;
+         variant == kGqaPrefillSm90Solo3PersistentStamped || variant == kGqaPrefillSm90Solo3Tma ||
+         variant == kGqaPrefillSm90Solo3TmaLeanTiles;
 }
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the

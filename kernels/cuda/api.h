@@ -68,6 +68,8 @@ inline constexpr int kGqaPrefillSm90Solo3PersistentStamped = 23;
 // 19's kernel). The default: 5.5-9% faster than 19 on kernel_bench's four prefill shapes on the
 // H200 (8192 causal 956 -> 881 us; bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
+// 24 with the softmax's rows in one pass, O rescaled under S, the diagonal's last P V cut.
+inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
 // (kernels/cuda/gqa_decode.cu). The default (-1), and short prefills (kGqaPrefillOnDecodeKernel),

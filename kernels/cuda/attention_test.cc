@@ -130,6 +130,7 @@ const std::vector<int> kAllPrefillVariants = {0,
                                               cuda::kGqaPrefillSm90LeanOverlapSolo3,
                                               cuda::kGqaPrefillSm90Solo3Persistent,
                                               cuda::kGqaPrefillSm90Solo3Tma,
+                                              cuda::kGqaPrefillSm90Solo3TmaLeanTiles,
                                               cuda::kGqaPrefillOnDecodeKernel};
 
 // Those of `candidates` the entry points accept on this device (the portable kernels

@@ -153,6 +153,54 @@ struct OnlineSoftmax {
     }
   }
 
+  // Update() for a positive scale_log2 (the caller checks), with the same results bit for bit,
+  // but as one straight-line pass over both rows. Update() takes the rows one after the other,
+  // each behind TileMax's branch on the scale's sign, so the compiler cannot overlap one row's
+  // latency chain (a 17-deep chain of maxima, two quad shuffles, the rescale) with the other
+  // row's work: with one consumer warp of each warpgroup per SM sub-partition, little else
+  // hides it. Here the maxima are trees (5 deep; the maximum is exact in any order) and both
+  // rows' chains run side by side, so the exponentials start sooner and issue back to back.
+  __device__ __forceinline__ void UpdatePositiveScale(float (&s)[kNTiles][4], float scale_log2,
+                                                      float (&alpha)[2]) {
+    static_assert((kNTiles & (kNTiles - 1)) == 0, "tree over a power of two of column tiles");
+    float tile_max[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      float v[kNTiles];
+#pragma unroll
+      for (int j = 0; j < kNTiles; ++j) v[j] = fmaxf(s[j][2 * x], s[j][2 * x + 1]);
+      FoldMax<kNTiles / 2>(v);
+      tile_max[x] = v[0] * scale_log2;
+    }
+    const Rescaled r[2] = {Rescale(0, QuadMax(tile_max[0])), Rescale(1, QuadMax(tile_max[1]))};
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        s[j][2 * x] = Exp2(fmaf(s[j][2 * x], scale_log2, -r[x].base));
+        s[j][2 * x + 1] = Exp2(fmaf(s[j][2 * x + 1], scale_log2, -r[x].base));
+        sum[x] += s[j][2 * x] + s[j][2 * x + 1];  // Exponentiate's order
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      d[x] = d[x] * r[x].alpha + sum[x];
+      alpha[x] = r[x].alpha;
+    }
+  }
+
+  // v[0] = the maximum of v[0 .. 2 kWidth), level by level (a template recursion, so that every
+  // index is a constant: a loop halving a runtime width left v in local memory).
+  template <int kWidth>
+  __device__ __forceinline__ static void FoldMax(float (&v)[kNTiles]) {
+    if constexpr (kWidth > 0) {
+#pragma unroll
+      for (int j = 0; j < kWidth; ++j) v[j] = fmaxf(v[j], v[j + kWidth]);
+      FoldMax<kWidth / 2>(v);
+    }
+  }
+
   // Row x's sum of p over the keys this warp saw (reduced over the quad).
   __device__ __forceinline__ float RowSum(int x) const { return QuadSum(d[x]); }
 };

@@ -44,8 +44,17 @@
 // every producer lane as before; page sizes TMA cannot cut tiles from run the copying twin.
 //
 // Causal block skipping is the planner's (kv_end is cut to the keys the tile's last row sees);
-// masking runs only on the tiles that cross a row's limit. Split-KV items write float32 partials
-// through the common epilogue for the merge kernel.
+// masking runs only on the tiles that cross a row's limit: with 128 packed rows of 32 tokens
+// (group 4) and 128-key tiles that is each work's last tile alone, behind a branch the others
+// skip. Split-KV items write float32 partials through the common epilogue for the merge kernel.
+//
+// Lean tiles (kLeanTiles, variant 26): the consumer loop's path from a P V GEMM's end to the
+// next S GEMM's issue, which both warpgroups walk at once without the turns, carried work that
+// did not need to be there. In 24's SASS the softmax ran row after row, each behind a branch on
+// the scale's sign, with a 17-deep chain of maxima and two shuffles before its first exponential
+// (one consumer warp of each warpgroup per SM sub-partition hides little of it), and O's 64
+// multiplies sat between the P V wait and the next S. 26 takes the rows in one pass (maxima as
+// trees, row g + 8's chain under row g's exponentials) and rescales O under the S GEMM.
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
@@ -96,14 +105,21 @@ __device__ PhaseStampBuffer g_phase_stamps;
 //     persistent).
 //   kTmaKv: key tiles inside the sequence come by TMA (launched with a tensor map of the cache
 //     where the page size allows; CopiesTwin otherwise).
+//   kLeanTiles (overlap schedule): less on the path between one GEMM's end and the next one's
+//     issue. The softmax takes both of a lane's rows in one straight-line pass where the scale
+//     is positive (OnlineSoftmax::UpdatePositiveScale); O's rescale by tile t - 1's factor runs
+//     after tile t's S GEMM is issued; and the work's last P V, which nothing overlaps, skips
+//     the half of the tile past its keys where it ends there (the causal diagonal).
 template <int kHeadDim_, int kBlockN_, bool kOverlap_, bool kPingPong_, bool kLeanCopies_,
-          bool kPersistent_, int kStages_, bool kStamps_ = false, bool kTmaKv_ = false>
+          bool kPersistent_, int kStages_, bool kStamps_ = false, bool kTmaKv_ = false,
+          bool kLeanTiles_ = false>
 struct Traits {
   static constexpr bool kStamps = kStamps_;
   static constexpr bool kTmaKv = kTmaKv_;
+  static constexpr bool kLeanTiles = kLeanTiles_;
   static_assert(!kTmaKv || (kLeanCopies_ && !kPersistent_), "TMA: one work per CTA, lean tails");
   using CopiesTwin = Traits<kHeadDim_, kBlockN_, kOverlap_, kPingPong_, kLeanCopies_, kPersistent_,
-                            kStages_, kStamps_, false>;
+                            kStages_, kStamps_, false, kLeanTiles_>;
   static constexpr int kStages = kStages_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
@@ -438,6 +454,32 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
   if (tid == 0) Stamp<T>(w.index, PhaseSlot::kProducedClock);
 }
 
+// S = Q K^T over head_dim for a consumer warpgroup's 64 rows of Q (at q) and a key tile (at k):
+// k-step ks reads column block ks / 4 of Q and K, 32 bytes further per step inside it. Over the
+// tile's first kN keys.
+template <typename T, int kN>
+__device__ __forceinline__ void IssueQk(float (&d)[kN / 8][4], uint32_t q, uint32_t k) {
+  static_assert(kN <= T::kBlockN);
+#pragma unroll
+  for (int ks = 0; ks < T::kHeadDim / 16; ++ks) {
+    const uint32_t step = (ks % 4) * 32;
+    const uint32_t a = q + (ks / 4) * kBlockM * 128 + step;
+    const uint32_t b = k + (ks / 4) * T::kBlockN * 128 + step;
+    Wgmma<kN>::SS(d, KMajorDescriptor(a), KMajorDescriptor(b), ks > 0 ? 1u : 0u);
+  }
+}
+
+// O += P V over the first kSteps 16-key steps of a value tile (at v): k-step ks covers keys
+// [16 ks, 16 ks + 16), 16 rows of 128 bytes of V.
+template <typename T, int kSteps>
+__device__ __forceinline__ void IssuePv(float (&o)[T::kHeadDim / 8][4],
+                                        const uint32_t (&pf)[T::kBlockN / 16][4], uint32_t v) {
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    Wgmma<T::kHeadDim>::RSTransB(o, pf[ks], MnMajorDescriptor(v + ks * 2048, T::kBlockN * 128));
+  }
+}
+
 // Warpgroups 1 and 2 (`cwg` 0, 1): rows [64 cwg, 64 cwg + 64) of the tile.
 template <typename T>
 __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const Smem<T>& s,
@@ -445,7 +487,6 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   constexpr int kBlockN = T::kBlockN;
   constexpr int kNTiles = kBlockN / 8;      // 8-key column tiles of S
   constexpr int kDTiles = T::kHeadDim / 8;  // 8-wide column tiles of O
-  constexpr int kKSteps = T::kHeadDim / 16;
   constexpr int kPSteps = kBlockN / 16;
   const int cwg = ctid / 128, warp = (ctid / 32) % 4, lane = ctid % 32;
   const int warp_row0 = 64 * cwg + 16 * warp;  // first tile row of this warp
@@ -461,23 +502,40 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   const float scale_log2 = p.sm_scale * kLog2e;
 
   const uint32_t q_start = s.Q() + cwg * 64 * 128;
-  // S = Q K^T over head_dim: k-step ks reads column block ks / 4 of Q and K, 32 bytes further
-  // per step inside it.
+  // The keys of the work's last tile, 1..kBlockN: fewer where the work ends inside it (the
+  // causal diagonal: a 128-row tile of 32 tokens x 4 heads ends 32, 64, 96 or 128 keys into it).
+  const int last_keys = w.item.kv_end - w.item.kv_begin - (w.num_tiles - 1) * kBlockN;
+  // kLeanTiles: where the last tile has at most 64 keys its P V runs the first four 16-key
+  // steps (the p past the keys are 0, their V rows finite). That last P V is waited for
+  // with nothing under it, and half the works of a causal launch of 32-token tiles end so.
+  // (Its S stays whole: an N = 64 GEMM there, however its accumulator was arranged, made
+  // ptxas serialize every wgmma of the kernel, C7515.)
+  constexpr bool kNarrowLast = T::kLeanTiles && kBlockN == 128;
+  const bool narrow_last = kNarrowLast && last_keys <= 64;
+  auto narrow = [&](int t) { return narrow_last && t == w.num_tiles - 1; };
   auto issue_qk = [&](float(&acc)[kNTiles][4], int stage) {
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const uint32_t step = (ks % 4) * 32;
-      const uint32_t a = q_start + (ks / 4) * kBlockM * 128 + step;
-      const uint32_t b = s.K(stage) + (ks / 4) * kBlockN * 128 + step;
-      Wgmma<kBlockN>::SS(acc, KMajorDescriptor(a), KMajorDescriptor(b), ks > 0 ? 1u : 0u);
-    }
+    IssueQk<T, kBlockN>(acc, q_start, s.K(stage));
   };
-  // O += P V: k-step ks covers keys [16 ks, 16 ks + 16), 16 rows of 128 bytes of V.
-  auto issue_pv = [&](const uint32_t(&pf)[kPSteps][4], int stage) {
-#pragma unroll
-    for (int ks = 0; ks < kPSteps; ++ks) {
-      Wgmma<T::kHeadDim>::RSTransB(o, pf[ks],
-                                   MnMajorDescriptor(s.V(stage) + ks * 2048, kBlockN * 128));
+  // O += P V; the first half of the tile's keys for a narrowed tile (two straight-line paths: a
+  // branch around each k-step made ptxas fence before each; these two cost it one fence and a
+  // dummy wgmma, once per work).
+  auto issue_pv = [&](const uint32_t(&pf)[kPSteps][4], int stage, int t) {
+    if constexpr (kNarrowLast) {
+      if (narrow(t)) {
+        IssuePv<T, kPSteps / 2>(o, pf, s.V(stage));
+        return;
+      }
+    }
+    IssuePv<T, kPSteps>(o, pf, s.V(stage));
+  };
+  // The softmax of a tile; kLeanTiles takes UpdatePositiveScale's straight-line pass where it
+  // applies (a branch on a launch constant, taken the same way by every lane). Not at head_dim
+  // 256, whose O takes 128 registers a lane: there the pass spilled.
+  auto update = [&](OnlineSoftmax<kNTiles>& sm, float(&acc)[kNTiles][4], float(&alpha)[2]) {
+    if (T::kLeanTiles && T::kHeadDim <= 128 && scale_log2 > 0.f) {
+      sm.UpdatePositiveScale(acc, scale_log2, alpha);
+    } else {
+      sm.Update(acc, scale_log2, alpha);
     }
   };
   auto release = [&](uint32_t bar) {
@@ -540,9 +598,13 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         done_with_q(0);
         float alpha[2];
         mask(acc, 0);
-        softmax.Update(acc, scale_log2, alpha);  // O is still 0: nothing to rescale
+        update(softmax, acc, alpha);  // O is still 0: nothing to rescale
         ScoresToA(acc, pf);
       }
+      // kLeanTiles: tile t - 1's factor for O, applied once tile t's S GEMM is issued (before
+      // the P V GEMM that adds to O), as FA3 does: the 64 multiplies run under that GEMM instead
+      // of between the last P V's end and the next S's issue. After tile 0, O is 0: 1.
+      float pending_alpha[2] = {1.f, 1.f};
       for (int t = 1; t < w.num_tiles; ++t) {
         const int stage = stage_of(t), prev = stage_of(t - 1);
         float acc[kNTiles][4] = {};
@@ -551,9 +613,13 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         WgmmaFence();
         issue_qk(acc, stage);
         WgmmaCommit();
+        if constexpr (T::kLeanTiles) {
+          rescale(pending_alpha);
+          PinRegisters(o);  // before the P V GEMM's fence
+        }
         wait_full(s.VFull(prev), t - 1);
         WgmmaFence();
-        issue_pv(pf, prev);
+        IssuePv<T, kPSteps>(o, pf, s.V(prev));  // (never the work's last tile)
         WgmmaCommit();
         pass_turn();
         WgmmaWait<1>();  // S of tile t is ready; P V of tile t - 1 still runs
@@ -562,7 +628,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         done_with_q(t);
         float alpha[2];
         mask(acc, t);
-        softmax.Update(acc, scale_log2, alpha);
+        update(softmax, acc, alpha);
         WgmmaWait<0>();
         PinRegisters(o);
         PinRegisters(pf);  // the GEMM read pf until here
@@ -570,15 +636,21 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         // P is packed only now, into the registers the finished GEMM read: written while it
         // ran, the compiler would serialize every wgmma.
         ScoresToA(acc, pf);
-        rescale(alpha);
-        PinRegisters(o);  // the rescale stays before the next GEMMs are issued
+        if constexpr (T::kLeanTiles) {
+          pending_alpha[0] = alpha[0];
+          pending_alpha[1] = alpha[1];
+        } else {
+          rescale(alpha);
+          PinRegisters(o);  // the rescale stays before the next GEMMs are issued
+        }
         PinRegisters(pf);
       }
+      if constexpr (T::kLeanTiles) rescale(pending_alpha);
       const int last = stage_of(w.num_tiles - 1);
       wait_full(s.VFull(last), w.num_tiles - 1);
       take_turn();
       WgmmaFence();
-      issue_pv(pf, last);
+      issue_pv(pf, last, w.num_tiles - 1);
       WgmmaCommit();
       pass_turn();
       WgmmaWait<0>();
@@ -601,13 +673,13 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
         done_with_q(t);
         float alpha[2];
         mask(acc, t);
-        softmax.Update(acc, scale_log2, alpha);
+        update(softmax, acc, alpha);
         ScoresToA(acc, pf);
         rescale(alpha);
         wait_full(s.VFull(stage), t);
         take_turn();
         WgmmaFence();
-        issue_pv(pf, stage);
+        issue_pv(pf, stage, t);
         WgmmaCommit();
         pass_turn();
         WgmmaWait<0>();
@@ -825,9 +897,9 @@ struct Config {
 // head_dim 256 (192 KiB), whose O takes 128 registers per lane. A third stage fits head_dim 64
 // and 128 only (224 KiB at 128); head_dim 256 keeps two.
 template <int kHeadDim, bool kOverlap, bool kPingPong, bool kLeanCopies, bool kPersistent = false,
-          int kStages = 2, bool kTmaKv = false>
+          int kStages = 2, bool kTmaKv = false, bool kLeanTiles = false>
 using TraitsFor = Traits<kHeadDim, kHeadDim == 256 ? 64 : 128, kOverlap, kPingPong, kLeanCopies,
-                         kPersistent, kHeadDim == 256 ? 2 : kStages, false, kTmaKv>;
+                         kPersistent, kHeadDim == 256 ? 2 : kStages, false, kTmaKv, kLeanTiles>;
 
 template <int kHeadDim, typename Fn>
 cudaError_t WithVariant(int variant, Fn&& fn) {
@@ -848,6 +920,8 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
       return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3>>());
     case kGqaPrefillSm90Solo3Tma:
       return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3, true>>());
+    case kGqaPrefillSm90Solo3TmaLeanTiles:
+      return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3, true, true>>());
     // Instruments rather than candidates (bench/RESULTS.md), built for head_dim 128 alone.
     case kGqaPrefillSm90Solo3Persistent:
     case kGqaPrefillSm90Solo3Stamped:
