@@ -41,7 +41,7 @@ bool IsSm90Prefill(int variant) {
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the
 // fastest that passed kernel_tests on the H200 (bench/RESULTS.md).
-constexpr int kDefaultSm90Prefill = kGqaPrefillSm90Solo3Tma;
+constexpr int kDefaultSm90Prefill = kGqaPrefillSm90Solo3TmaLeanTiles;
 
 // Resolves a GQA prefill variant for the current device: the default becomes the Hopper kernel
 // where it runs; a Hopper variant where it does not run is an error.

@@ -65,10 +65,13 @@ inline constexpr int kGqaPrefillSm90Solo3PersistentStamped = 23;
 // kGqaPrefillSm90LeanOverlapSolo3 with key tiles by TMA (one box per page and 64 columns, issued
 // by an elected lane of each producer warp) instead of every producer lane's cp.async, where the
 // page size lets boxes cut whole tiles (16, 32, 64, or a multiple of the tile; elsewhere it runs
-// 19's kernel). The default: 5.5-9% faster than 19 on kernel_bench's four prefill shapes on the
-// H200 (8192 causal 956 -> 881 us; bench/RESULTS.md).
+// 19's kernel). 5.5-9% faster than 19 on kernel_bench's four prefill shapes on the H200 (8192
+// causal 956 -> 881 us; bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
-// 24 with the softmax's rows in one pass, O rescaled under S, the diagonal's last P V cut.
+// 24 with the softmax's rows in one pass, O rescaled under S, the diagonal's last P V cut. The
+// default: on the H200 against 24, 8 x 512 on 1024 at 40/10 heads -3% (past FlashInfer fa3),
+// 4096 causal -1.5%, 8192 causal -0.4%, the long items of the 1117-on-71488 chunk +2%
+// (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel

@@ -36,7 +36,7 @@
 // 16-128 that divide the tile) or one per column block (page sizes that are multiples of it), each
 // producer warp's elected lane issuing every fourth box, instead of 128 lanes issuing 32 cp.async
 // each after gathering their row offsets (the default since it won 5.5-9% on the H200,
-// bench/RESULTS.md). With cp.async (19) each producer warp issues ~340
+// bench/RESULTS.md; 26 below is 24 with lean tiles). With cp.async (19) each producer warp issues ~340
 // instructions per tile, a quarter of all issued on its SM sub-partition, in bursts when a stage
 // frees (during the consumers' softmax); here ~170, mostly on the uniform datapath. TMA writes
 // through the async proxy, so the consumers no longer fence (MEMBAR) before each GEMM. A work's
@@ -54,7 +54,11 @@
 // the scale's sign, with a 17-deep chain of maxima and two shuffles before its first exponential
 // (one consumer warp of each warpgroup per SM sub-partition hides little of it), and O's 64
 // multiplies sat between the P V wait and the next S. 26 takes the rows in one pass (maxima as
-// trees, row g + 8's chain under row g's exponentials) and rescales O under the S GEMM.
+// trees, row g + 8's chain under row g's exponentials) and rescales O under the S GEMM. The
+// default since it beat 24 on the H200 where rows are short (8 x 512 on 1024 -3%, 4096 causal
+// -1.5%); on the 1117-on-71488 chunk's 188-tile items it is 2% slower: with the two warpgroups
+// drifting apart over long items the gap it closes is hidden anyway, and O's multiplies between
+// a warpgroup's S and its P V let the other's S in ahead (bench/RESULTS.md, variants 27-29).
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
