@@ -16,6 +16,11 @@
 // The variant lists name kernels (KernelTiling::variant) to measure side by side on each shape of
 // their family; each shape's batch is built once for all of them.
 //
+// GQA decode variants (kernels/cuda/api.h): 2 is the default's kernel with its K/V copied
+// evict-first in L2; 3 and 4 differ from 2 only in the split-KV merge (wide; wide and launched
+// under the attention's tail), so on unsplit shapes they time 2's kernel again. Listing them in
+// both orders (--decode_variants -1,2,3,4,4,3,2,-1) shows how much of a difference is drift.
+//
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
 // difference is what scattered page reads cost a kernel.
 //

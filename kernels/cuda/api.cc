@@ -144,6 +144,18 @@ PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling, int64_t
 cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer&) { return cudaErrorNotSupported; }
 #endif
 
+namespace {
+
+// The split-KV merge a GQA launch runs: the decode variants that name one, else kRows.
+MergeKind GqaMergeKind(const GqaParams& p, const DevicePlan& plan) {
+  if (p.batch.qo_indptr != nullptr) return MergeKind::kRows;
+  if (plan.variant == kGqaDecodeEvictFirstWideMerge) return MergeKind::kWide;
+  if (plan.variant == kGqaDecodeEvictFirstOverlapMerge) return MergeKind::kWideDependent;
+  return MergeKind::kRows;
+}
+
+}  // namespace
+
 cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
   if (plan.num_items > 0) {
     const bool decode = p.batch.qo_indptr == nullptr;
@@ -157,7 +169,8 @@ cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_
       ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaPrefill(p, plan, stream, plan.variant));
     }
   }
-  return LaunchMergeStates(plan, p.num_qo_heads, p.cache.head_dim, p.out, p.lse, stream);
+  return LaunchMergeStates(plan, p.num_qo_heads, p.cache.head_dim, p.out, p.lse, stream,
+                           GqaMergeKind(p, plan));
 }
 
 cudaError_t MlaAttention(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {

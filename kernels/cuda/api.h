@@ -73,8 +73,16 @@ inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 // pick one by page size at launch: staged ids below 64 tokens a page.
 inline constexpr int kGqaDecodePageIdsPerTile = 0;  // each tile's page ids read from global memory
 inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead into shared memory
+// The default (ids by page size) with K/V copied evict-first in L2: they evict each other, not
+// dirty lines (gqa_decode.cu).
+inline constexpr int kGqaDecodeEvictFirst = 2;
+// 2 with the split-KV merge as kMergeWide (every chunk row of a CTA loaded at once).
+inline constexpr int kGqaDecodeEvictFirstWideMerge = 3;
+// 3 with the merge launched as a programmatic dependent of the attention (sm_90+), so it starts
+// during the attention's tail.
+inline constexpr int kGqaDecodeEvictFirstOverlapMerge = 4;
 inline constexpr bool IsGqaDecodeVariant(int v) {
-  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds;
+  return v >= kGqaDecodePageIdsPerTile && v <= kGqaDecodeEvictFirstOverlapMerge;
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute

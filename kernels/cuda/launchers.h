@@ -18,8 +18,18 @@ cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling);
 cudaError_t LaunchMla(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream);
 cudaError_t MlaTiling(int num_heads, bool decode, KernelTiling* tiling);
 
+// How the split-KV merge runs (merge_states.cu).
+enum class MergeKind {
+  kRows,  // a CTA per (token, head) row, a thread per column quad summing every chunk
+  kWide,  // a CTA per row in groups of threads, each group summing a share of the chunks
+  // kWide, launched as a programmatic dependent of the kernel before it on the stream (sm_90+;
+  // elsewhere as kWide): it may start once that kernel triggers (TriggerDependentLaunch), and
+  // waits for that kernel's completion before reading the partials.
+  kWideDependent,
+};
+
 // Combines the plan's split-KV partials into out (bf16 [total_q, num_heads, out_dim]) and lse.
 cudaError_t LaunchMergeStates(const DevicePlan& plan, int num_heads, int out_dim, bf16* out,
-                              float* lse, cudaStream_t stream);
+                              float* lse, cudaStream_t stream, MergeKind kind = MergeKind::kRows);
 
 }  // namespace attn::cuda

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/common/cuda_check.h"
+#include "kernels/cuda/common/launch.h"
 #include "kernels/cuda/common/math.cuh"
 #include "kernels/cuda/common/softmax_state.cuh"
 #include "kernels/cuda/launchers.h"
@@ -15,19 +16,23 @@ namespace {
 
 constexpr int kMaxThreads = 128;
 
-// One CTA per (merged token, head). The chunk weights 2^(lse_s - lse) go through shared memory;
-// then each thread owns 4 output columns and sums the chunks' rows.
-__global__ void __launch_bounds__(kMaxThreads)
-    MergeStatesKernel(const MergeRow* __restrict__ merges, const float* __restrict__ partial_out,
-                      const float* __restrict__ partial_lse, int num_heads, int out_dim,
-                      __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
-  extern __shared__ float s_weight[];  // [num_splits]
-  __shared__ float s_reduce[kMaxThreads / 32];
-  const MergeRow m = merges[blockIdx.x];
-  const int head = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int warps = blockDim.x / 32;
-  const int64_t first = int64_t{m.partial_row} + head;
+// The merged state of one (token, head) row: its chunks' largest lse and the sum of their weights.
+struct MergedState {
+  float max_lse;
+  float sum;
+};
 
+// Writes the weights 2^(lse_s - max_lse) of the chunks of merge row m's head at workspace row
+// `first` into s_weight[0, m.num_splits) (every thread of the CTA takes part; its barriers
+// publish them) and returns the merged state. s_reduce: kMaxThreads / 32 floats. kL2Only: the lse
+// are read through L2 alone (ld.global.cg), never the non-coherent path: for a kernel that starts
+// before the grid writing them has ended (MergeKind::kWideDependent).
+template <bool kL2Only>
+__device__ __forceinline__ MergedState ChunkWeights(const MergeRow& m, int64_t first,
+                                                    const float* __restrict__ partial_lse,
+                                                    float* s_weight, float* s_reduce) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int warps = blockDim.x / 32;
   // Block-wide max, then sum, of the chunks' lse (log2 units).
   auto reduce = [&](float v, bool is_max) {
     for (int o = 16; o > 0; o /= 2) {
@@ -43,7 +48,8 @@ __global__ void __launch_bounds__(kMaxThreads)
   };
   float local = -INFINITY;
   for (int s = tid; s < m.num_splits; s += blockDim.x) {
-    s_weight[s] = partial_lse[first + int64_t{s} * m.split_stride];
+    const float* src = partial_lse + first + int64_t{s} * m.split_stride;
+    s_weight[s] = kL2Only ? __ldcg(src) : *src;
     local = fmaxf(local, s_weight[s]);
   }
   const float max_lse = reduce(local, true);
@@ -54,9 +60,25 @@ __global__ void __launch_bounds__(kMaxThreads)
     local += s_weight[s];
   }
   const float sum = reduce(local, false);  // its barriers also publish s_weight
-  // The contract's rule for the merged row, with "sees keys" = the token has a chunk. fmaxf above
-  // drops a NaN chunk lse, but its weight 2^(NaN - base) is NaN, and so is a +inf chunk's
-  // 2^(inf - inf): either makes sum NaN. Chunks that are all -inf leave max_lse -inf and sum 0.
+  return {max_lse, sum};
+}
+
+// One CTA per (merged token, head). The chunk weights 2^(lse_s - lse) go through shared memory;
+// then each thread owns 4 output columns and sums the chunks' rows.
+__global__ void __launch_bounds__(kMaxThreads)
+    MergeStatesKernel(const MergeRow* __restrict__ merges, const float* __restrict__ partial_out,
+                      const float* __restrict__ partial_lse, int num_heads, int out_dim,
+                      __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
+  extern __shared__ float s_weight[];  // [num_splits]
+  __shared__ float s_reduce[kMaxThreads / 32];
+  const MergeRow m = merges[blockIdx.x];
+  const int head = blockIdx.y, tid = threadIdx.x;
+  const int64_t first = int64_t{m.partial_row} + head;
+  const auto [max_lse, sum] = ChunkWeights<false>(m, first, partial_lse, s_weight, s_reduce);
+  // The contract's rule for the merged row, with "sees keys" = the token has a chunk. fmaxf in
+  // ChunkWeights drops a NaN chunk lse, but its weight 2^(NaN - base) is NaN, and so is a +inf
+  // chunk's 2^(inf - inf): either makes sum NaN. Chunks that are all -inf leave max_lse -inf and
+  // sum 0.
   const bool sees_keys = m.num_splits > 0;
   const float inv = InverseSum(sees_keys, max_lse, sum);
 
@@ -81,11 +103,120 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 }
 
+// MergeKind::kWide: one CTA per (merged token, head) of kMaxThreads threads in groups of
+// out_dim / 4, a column quad a thread. Group g sums chunks g, g + groups, ..., and loads the rows
+// of its first kWideLoads chunks before the weights are known, so that they are in flight with
+// the lse reads: up to groups x kWideLoads chunks (32 at head_dim 128) cost one L2 round trip,
+// where MergeStatesKernel waits on one per 4 chunks (8 for the 32 chunks of a 16384-key decode,
+// each ~0.5-0.7 us). The groups' sums meet in shared memory.
+constexpr int kWideLoads = 8;
+
+__global__ void __launch_bounds__(kMaxThreads)
+    MergeStatesWideKernel(const MergeRow* __restrict__ merges,
+                          const float* __restrict__ partial_out,
+                          const float* __restrict__ partial_lse, int num_heads, int out_dim,
+                          __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
+  extern __shared__ float4 s_dynamic[];  // [kMaxThreads] the groups' sums, [num_splits] weights
+  __shared__ float s_reduce[kMaxThreads / 32];
+  float4* s_sums = s_dynamic;
+  float* s_weight = reinterpret_cast<float*>(s_dynamic + kMaxThreads);
+  // The plan's rows were copied before the attention launch; the partials are the attention's.
+  const MergeRow m = merges[blockIdx.x];
+  WaitForPrimaryGrid();
+  const int head = blockIdx.y, tid = threadIdx.x;
+  const int64_t first = int64_t{m.partial_row} + head;
+  const int quads = out_dim / 4, groups = blockDim.x / quads;
+  const int g = tid / quads, c = (tid % quads) * 4;
+  // .cg: written by the grid before, read once; never through a possibly older L1 line.
+  auto row = [&](int s) {
+    return __ldcg(reinterpret_cast<const float4*>(
+        partial_out + (first + int64_t{s} * m.split_stride) * out_dim + c));
+  };
+  float4 v[kWideLoads];
+#pragma unroll
+  for (int i = 0; i < kWideLoads; ++i) {
+    const int s = g + i * groups;
+    v[i] = s < m.num_splits ? row(s) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const auto [max_lse, sum] = ChunkWeights<true>(m, first, partial_lse, s_weight, s_reduce);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  auto add = [&](float w, const float4& x) {
+    acc.x += w * x.x;
+    acc.y += w * x.y;
+    acc.z += w * x.z;
+    acc.w += w * x.w;
+  };
+#pragma unroll
+  for (int i = 0; i < kWideLoads; ++i) {
+    const int s = g + i * groups;
+    if (s < m.num_splits) add(s_weight[s], v[i]);
+  }
+#pragma unroll 4
+  for (int s = g + kWideLoads * groups; s < m.num_splits; s += groups) add(s_weight[s], row(s));
+  s_sums[tid] = acc;
+  __syncthreads();
+  // The same rule for the merged row as MergeStatesKernel's.
+  const bool sees_keys = m.num_splits > 0;
+  if (tid < quads) {
+    const float inv = InverseSum(sees_keys, max_lse, sum);
+    float4 total = s_sums[tid];
+    for (int k = 1; k < groups; ++k) {
+      const float4 x = s_sums[k * quads + tid];
+      total.x += x.x;
+      total.y += x.y;
+      total.z += x.z;
+      total.w += x.w;
+    }
+    __nv_bfloat16* dst = out + (int64_t{m.out_row} * num_heads + head) * out_dim + c;
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(total.x * inv, total.y * inv);
+    *reinterpret_cast<__nv_bfloat162*>(dst + 2) =
+        __floats2bfloat162_rn(total.z * inv, total.w * inv);
+  }
+  if (lse != nullptr && tid == 0) {
+    lse[int64_t{m.out_row} * num_heads + head] = FinalLse(sees_keys, max_lse, sum);
+  }
+}
+
+cudaError_t LaunchWide(const DevicePlan& plan, int num_heads, int out_dim, bf16* out, float* lse,
+                       bool dependent, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(plan.num_merges, num_heads);
+  config.blockDim = dim3(kMaxThreads);
+  config.dynamicSmemBytes = kMaxThreads * sizeof(float4) + plan.max_splits * sizeof(float);
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (dependent) {
+    // Programmatic dependent launches exist from compute capability 9.0.
+    int device = 0, major = 0;
+    ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    if (major >= 9) {
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+    }
+  }
+  return cudaLaunchKernelEx(&config, MergeStatesWideKernel, plan.merges,
+                            static_cast<const float*>(plan.partial_out),
+                            static_cast<const float*>(plan.partial_lse), num_heads, out_dim,
+                            reinterpret_cast<__nv_bfloat16*>(out), lse);
+}
+
 }  // namespace
 
 cudaError_t LaunchMergeStates(const DevicePlan& plan, int num_heads, int out_dim, bf16* out,
-                              float* lse, cudaStream_t stream) {
+                              float* lse, cudaStream_t stream, MergeKind kind) {
   if (plan.num_merges == 0) return cudaSuccess;
+  // The wide kernel's groups tile its threads with whole rows (head_dim 64, 128, 256; MLA's 512
+  // is one group).
+  if (kind != MergeKind::kRows && out_dim % 4 == 0 && kMaxThreads % (out_dim / 4) == 0) {
+    ATTN_CUDA_RETURN_IF_ERROR(
+        LaunchWide(plan, num_heads, out_dim, out, lse, kind == MergeKind::kWideDependent, stream));
+    ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
+    return cudaSuccess;
+  }
   // One thread per 4 columns (32 for head_dim 128, 128 for MLA's 512); one weight per chunk.
   const int threads = std::min(kMaxThreads, std::max(32, out_dim / 4));
   const dim3 grid(plan.num_merges, num_heads);

@@ -74,6 +74,26 @@ struct SwizzledTile {
   template <int kRows, int kThreads>
   __device__ __forceinline__ static void LoadRows(bf16* tile, const bf16* base,
                                                   const int64_t* offsets, int tid) {
+    ForEachRowChunk<kRows, kThreads>(
+        tile, base, offsets, tid,
+        [](bf16* dst, const bf16* src, bool valid) { CopyAsync16(dst, src, valid); });
+  }
+  // The same under an L2 cache policy (EvictFirstPolicy).
+  template <int kRows, int kThreads>
+  __device__ __forceinline__ static void LoadRows(bf16* tile, const bf16* base,
+                                                  const int64_t* offsets, int tid,
+                                                  uint64_t policy) {
+    ForEachRowChunk<kRows, kThreads>(
+        tile, base, offsets, tid,
+        [policy](bf16* dst, const bf16* src, bool valid) { CopyAsync16(dst, src, valid, policy); });
+  }
+
+ private:
+  // copy(dst, src, valid) for each 16-byte chunk of LoadRows' rows.
+  template <int kRows, int kThreads, typename Copy>
+  __device__ __forceinline__ static void ForEachRowChunk(bf16* tile, const bf16* base,
+                                                         const int64_t* offsets, int tid,
+                                                         Copy copy) {
     constexpr int kTotal = kRows * kChunks;
 #pragma unroll
     for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
@@ -82,7 +102,7 @@ struct SwizzledTile {
       const int r = idx / kChunks;
       const int c = idx % kChunks;
       const int64_t offset = offsets[r];
-      CopyAsync16(tile + Offset(r, c), base + (offset >= 0 ? offset + c * 8 : 0), offset >= 0);
+      copy(tile + Offset(r, c), base + (offset >= 0 ? offset + c * 8 : 0), offset >= 0);
     }
   }
 };
