@@ -146,12 +146,9 @@ cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer&) { return cudaError
 
 namespace {
 
-// The split-KV merge a GQA launch runs: the decode variants that name one, else kRows.
+// The split-KV merge a GQA launch runs: the decode variant's; the row kernel after prefills.
 MergeKind GqaMergeKind(const GqaParams& p, const DevicePlan& plan) {
-  if (p.batch.qo_indptr != nullptr) return MergeKind::kRows;
-  if (plan.variant == kGqaDecodeEvictFirstWideMerge) return MergeKind::kWide;
-  if (plan.variant == kGqaDecodeEvictFirstOverlapMerge) return MergeKind::kWideDependent;
-  return MergeKind::kRows;
+  return p.batch.qo_indptr == nullptr ? GqaDecodeMergeKind(plan.variant) : MergeKind::kRows;
 }
 
 }  // namespace

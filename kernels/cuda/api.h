@@ -69,20 +69,28 @@ inline constexpr int kGqaPrefillSm90Solo3PersistentStamped = 23;
 inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
-// (kernels/cuda/gqa_decode.cu). The default (-1), and short prefills (kGqaPrefillOnDecodeKernel),
-// pick one by page size at launch: staged ids below 64 tokens a page.
+// (kernels/cuda/gqa_decode.cu, which has what they measured on the H200). The default (-1)
+// resolves to kGqaDecodeSplitEvictFirst. Every variant but 0 and 1, and short prefills
+// (kGqaPrefillOnDecodeKernel), pick the page-id scheme by page size at launch: staged ids below
+// 64 tokens a page.
 inline constexpr int kGqaDecodePageIdsPerTile = 0;  // each tile's page ids read from global memory
 inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead into shared memory
-// The default (ids by page size) with K/V copied evict-first in L2: they evict each other, not
-// dirty lines (gqa_decode.cu).
+// Ids by page size with K/V copied evict-first in L2: they evict each other, not dirty lines.
 inline constexpr int kGqaDecodeEvictFirst = 2;
-// 2 with the split-KV merge as kMergeWide (every chunk row of a CTA loaded at once).
+// 2 with the split-KV merge as MergeKind::kWide (every chunk row of a CTA loaded at once).
 inline constexpr int kGqaDecodeEvictFirstWideMerge = 3;
 // 3 with the merge launched as a programmatic dependent of the attention (sm_90+), so it starts
 // during the attention's tail.
 inline constexpr int kGqaDecodeEvictFirstOverlapMerge = 4;
+// 4 where the launch splits keys (the plan has merges); unsplit launches copy K/V as 0 and 1 do,
+// as evict-first cost them 4-5%.
+inline constexpr int kGqaDecodeSplitEvictFirst = 5;
+// 4 with every K/V copy fetching 256 bytes from DRAM into L2 (.L2::256B), split or not.
+inline constexpr int kGqaDecodeEvictFirstFetch256 = 6;
+// 6 without evict-first: the fetch size alone (its control).
+inline constexpr int kGqaDecodeFetch256 = 7;
 inline constexpr bool IsGqaDecodeVariant(int v) {
-  return v >= kGqaDecodePageIdsPerTile && v <= kGqaDecodeEvictFirstOverlapMerge;
+  return v >= kGqaDecodePageIdsPerTile && v <= kGqaDecodeFetch256;
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
@@ -150,9 +158,9 @@ struct KernelTiling {
   double no_split_fill = 0;   // PlanConfig::no_split_fill
 };
 
-// Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA
-// prefill and MLA, tiling->variant may name a variant on entry (tests and benchmarks compare
-// them); on return it names the one the launch runs.
+// Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches.
+// tiling->variant may name a variant on entry (tests and benchmarks compare them); on return it
+// names the one the launch runs.
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling);
 // Tiling of kGqaPrefillOnDecodeKernel, for LaunchOptions::short_prefill.
 cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling);

@@ -28,6 +28,9 @@ enum class MergeKind {
   kWideDependent,
 };
 
+// The merge that follows a decode launch of `variant` (gqa_decode.cu; a resolved one, not -1).
+MergeKind GqaDecodeMergeKind(int variant);
+
 // Combines the plan's split-KV partials into out (bf16 [total_q, num_heads, out_dim]) and lse.
 cudaError_t LaunchMergeStates(const DevicePlan& plan, int num_heads, int out_dim, bf16* out,
                               float* lse, cudaStream_t stream, MergeKind kind = MergeKind::kRows);

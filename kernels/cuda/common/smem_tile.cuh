@@ -74,26 +74,15 @@ struct SwizzledTile {
   template <int kRows, int kThreads>
   __device__ __forceinline__ static void LoadRows(bf16* tile, const bf16* base,
                                                   const int64_t* offsets, int tid) {
-    ForEachRowChunk<kRows, kThreads>(
-        tile, base, offsets, tid,
-        [](bf16* dst, const bf16* src, bool valid) { CopyAsync16(dst, src, valid); });
+    LoadRows<kRows, kThreads>(tile, base, offsets, tid, [](bf16* dst, const bf16* src, bool valid) {
+      CopyAsync16(dst, src, valid);
+    });
   }
-  // The same under an L2 cache policy (EvictFirstPolicy).
-  template <int kRows, int kThreads>
-  __device__ __forceinline__ static void LoadRows(bf16* tile, const bf16* base,
-                                                  const int64_t* offsets, int tid,
-                                                  uint64_t policy) {
-    ForEachRowChunk<kRows, kThreads>(
-        tile, base, offsets, tid,
-        [policy](bf16* dst, const bf16* src, bool valid) { CopyAsync16(dst, src, valid, policy); });
-  }
-
- private:
-  // copy(dst, src, valid) for each 16-byte chunk of LoadRows' rows.
+  // The same with copy(dst, src, valid) issuing each 16-byte chunk's cp.async: CopyAsync16 with
+  // L2 hints.
   template <int kRows, int kThreads, typename Copy>
-  __device__ __forceinline__ static void ForEachRowChunk(bf16* tile, const bf16* base,
-                                                         const int64_t* offsets, int tid,
-                                                         Copy copy) {
+  __device__ __forceinline__ static void LoadRows(bf16* tile, const bf16* base,
+                                                  const int64_t* offsets, int tid, Copy copy) {
     constexpr int kTotal = kRows * kChunks;
 #pragma unroll
     for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
