@@ -6,7 +6,7 @@
 //
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,10]
 //                [--mla_variants 0,10] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
-//                [--sequential_pages] [--stamps DIR] [--l2_fetch_bytes N]
+//                [--sequential_pages] [--stamps DIR]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
@@ -15,19 +15,6 @@
 //
 // The variant lists name kernels (KernelTiling::variant) to measure side by side on each shape of
 // their family; each shape's batch is built once for all of them.
-//
-// GQA decode variants (kernels/cuda/api.h): 2 is 0 or 1 (by page size) with its K/V copied
-// evict-first in L2; 3 and 4 differ from 2 only in the split-KV merge (wide; wide and launched
-// under the attention's tail), so on unsplit shapes they time 2's kernel again. The default (-1)
-// is 5: 4 on shapes that split, 0 or 1 on the others. 6 is 4 with a 256-byte L2 fetch on every
-// K/V copy, 7 the same without evict-first. Listing them in both orders
-// (--decode_variants -1,4,5,6,6,5,4,-1) shows how much of a difference is drift.
-//
-// --l2_fetch_bytes sets cudaLimitMaxL2FetchGranularity (0-128) before anything runs; the limit in
-// force is printed either way. The driver's memory descriptor may carry it to every plain global
-// access, where an access under an L2 cache policy (the evict-first decodes) has createpolicy's
-// descriptor instead (kernels/cuda/gqa_decode.cu): if a smaller limit slows the default decode
-// of b64 x 4096 to the evict-first one's time (and not that one), the fetch size is the difference.
 //
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
 // difference is what scattered page reads cost a kernel.
@@ -284,7 +271,6 @@ int Main(int argc, char** argv) {
   };
   testing::PlanOverrides overrides;
   std::vector<int> min_chunks{0};  // 0: the kernel's own
-  int l2_fetch_bytes = -1;         // -1: the driver's
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -307,14 +293,11 @@ int Main(int argc, char** argv) {
       mla_variants = parse_list(argv[++i]);
     else if (a == "--decode_variants" && i + 1 < argc)
       decode_variants = parse_list(argv[++i]);
-    else if (a == "--l2_fetch_bytes" && i + 1 < argc)
-      l2_fetch_bytes = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
                    "[--prefill_variants 0,10] [--mla_variants 0,10] [--decode_variants 0,1] "
-                   "[--min_chunk KEYS] [--waves W] [--sequential_pages] [--stamps DIR] "
-                   "[--l2_fetch_bytes N]\n");
+                   "[--min_chunk KEYS] [--waves W] [--sequential_pages] [--stamps DIR]\n");
       return 2;
     }
   }
@@ -322,11 +305,6 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "kernel_bench: no CUDA device\n");
     return 1;
   }
-  if (l2_fetch_bytes >= 0) {
-    CHECK_CUDA(cudaDeviceSetLimit(cudaLimitMaxL2FetchGranularity, l2_fetch_bytes));
-  }
-  size_t l2_fetch = 0;
-  CHECK_CUDA(cudaDeviceGetLimit(&l2_fetch, cudaLimitMaxL2FetchGranularity));
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const size_t flush_bytes = size_t{2} * prop.l2CacheSize;
@@ -336,7 +314,6 @@ int Main(int argc, char** argv) {
   const double copy_tbps = CopyTbps(flush, flush_bytes);
   std::printf("device %s, %d SMs, L2 %d MiB; copy ceiling %.2f TB/s (read + write)\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_tbps);
-  std::printf("L2 fetch granularity limit %zu B\n", l2_fetch);
   std::printf("%-40s %10s %8s %7s %7s %7s %6s\n", "shape", "median_us", "TFLOP/s", "TB/s",
               "of_copy", "items", "chunk");
   std::vector<Shape> shapes;

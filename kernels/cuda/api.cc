@@ -144,18 +144,9 @@ PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling, int64_t
 cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer&) { return cudaErrorNotSupported; }
 #endif
 
-namespace {
-
-// The split-KV merge a GQA launch runs: the decode variant's; the row kernel after prefills.
-MergeKind GqaMergeKind(const GqaParams& p, const DevicePlan& plan) {
-  return p.batch.qo_indptr == nullptr ? GqaDecodeMergeKind(plan.variant) : MergeKind::kRows;
-}
-
-}  // namespace
-
 cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+  const bool decode = p.batch.qo_indptr == nullptr;
   if (plan.num_items > 0) {
-    const bool decode = p.batch.qo_indptr == nullptr;
     if (decode || plan.variant == kGqaPrefillOnDecodeKernel) {
       ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaDecode(p, plan, stream));
 #ifdef ATTN_HAVE_SM90
@@ -167,7 +158,7 @@ cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_
     }
   }
   return LaunchMergeStates(plan, p.num_qo_heads, p.cache.head_dim, p.out, p.lse, stream,
-                           GqaMergeKind(p, plan));
+                           decode ? GqaDecodeMergeKind(plan.variant) : MergeKind::kRows);
 }
 
 cudaError_t MlaAttention(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {

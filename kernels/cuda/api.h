@@ -69,28 +69,18 @@ inline constexpr int kGqaPrefillSm90Solo3PersistentStamped = 23;
 inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
-// (kernels/cuda/gqa_decode.cu, which has what they measured on the H200). The default (-1)
-// resolves to kGqaDecodeSplitEvictFirst. Every variant but 0 and 1, and short prefills
-// (kGqaPrefillOnDecodeKernel), pick the page-id scheme by page size at launch: staged ids below
-// 64 tokens a page.
+// (kernels/cuda/gqa_decode.cu). The default (-1) resolves to kGqaDecodeAdaptive.
 inline constexpr int kGqaDecodePageIdsPerTile = 0;  // each tile's page ids read from global memory
 inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead into shared memory
-// Ids by page size with K/V copied evict-first in L2: they evict each other, not dirty lines.
-inline constexpr int kGqaDecodeEvictFirst = 2;
-// 2 with the split-KV merge as MergeKind::kWide (every chunk row of a CTA loaded at once).
-inline constexpr int kGqaDecodeEvictFirstWideMerge = 3;
-// 3 with the merge launched as a programmatic dependent of the attention (sm_90+), so it starts
-// during the attention's tail.
-inline constexpr int kGqaDecodeEvictFirstOverlapMerge = 4;
-// 4 where the launch splits keys (the plan has merges); unsplit launches copy K/V as 0 and 1 do,
-// as evict-first cost them 4-5%.
-inline constexpr int kGqaDecodeSplitEvictFirst = 5;
-// 4 with every K/V copy fetching 256 bytes from DRAM into L2 (.L2::256B), split or not.
-inline constexpr int kGqaDecodeEvictFirstFetch256 = 6;
-// 6 without evict-first: the fetch size alone (its control).
-inline constexpr int kGqaDecodeFetch256 = 7;
+// The default: each launch picks by its page size and plan. Staged page ids below 64 tokens a
+// page, per-tile reads above (as short prefills, kGqaPrefillOnDecodeKernel, do). Launches that
+// split keys copy K/V evict-first in L2 and run the wide split-KV merge as a programmatic
+// dependent launch (sm_90+); unsplit ones copy K/V as 0 and 1 do. On the H200: b1 x 16384
+// 36.5 -> 30.1 us, unsplit decodes unchanged (evict-first would cost them 4-5%). Numbered 5 as
+// when it was measured beside 2-4, 6 and 7, since removed (gqa_decode.cu has what they showed).
+inline constexpr int kGqaDecodeAdaptive = 5;
 inline constexpr bool IsGqaDecodeVariant(int v) {
-  return v >= kGqaDecodePageIdsPerTile && v <= kGqaDecodeFetch256;
+  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive;
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute

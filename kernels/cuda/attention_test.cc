@@ -163,13 +163,10 @@ std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidate
       candidates, [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, false, t); });
 }
 
-// The GQA decode variants every run checks (the default resolves to kGqaDecodeSplitEvictFirst).
+// The GQA decode variants every run checks (the default resolves to kGqaDecodeAdaptive).
 std::vector<int> DecodeVariants(int head_dim) {
   return AcceptedVariants(
-      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeEvictFirst,
-       cuda::kGqaDecodeEvictFirstWideMerge, cuda::kGqaDecodeEvictFirstOverlapMerge,
-       cuda::kGqaDecodeSplitEvictFirst, cuda::kGqaDecodeEvictFirstFetch256,
-       cuda::kGqaDecodeFetch256},
+      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive},
       [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, true, t); });
 }
 

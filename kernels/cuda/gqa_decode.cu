@@ -14,35 +14,24 @@
 // (bench/RESULTS.md). kGqaDecodeStagedPageIds copies each tile's ids into shared memory with the
 // copies of the tile kStages before it, so that they have landed when the tile needs them.
 //
-// L2: where a sequence's packed rows fit one tile (a decode with a group of at most 16), each K/V
-// row is read once, by one CTA, so keeping it in L2 serves nobody, while allocating it there
-// evicts another line, after kernel_bench's flush (a memset of twice the L2), as after real
-// traffic's appends and outputs, a dirty one: a DRAM write beside the read. kGqaDecodeEvictFirst
-// copies K/V under an L2 evict-first policy, so that the clean K/V lines are the victims. On the
-// H200 (kernel_bench, median of 30) that took ~2.7 us off b1 x 16384 (36.5 -> 33.9 us; its 64
-// MiB of K/V is about the L2's 50 MB, the most it can write back) but added 4-5% to the unsplit
-// b64 x 4096 (267.6 -> 281.0 us at page size 1) and 40/10 b128 x 2048 (327 -> 340 us), whose
-// reads (1 GiB and more) dwarf any writebacks. The SASS of the two copies differs only in the
-// memory descriptor (async_copy.cuh): the policy's constant in place of the driver's, and neither
-// names an L2 fetch size. The suspect is what else the driver's descriptor carries, the DRAM
-// fetch granularity (cudaLimitMaxL2FetchGranularity) as the likeliest: without it each sector
-// missed may go to DRAM alone. Hence the variants after 4:
-//  - kGqaDecodeSplitEvictFirst (the default): evict-first only on launches that split keys (the
-//    plan has merges, so the launch is a few long sequences whose K/V is not much more than
-//    the L2), where it measured a gain; the default's copies elsewhere.
-//  - kGqaDecodeEvictFirstFetch256: evict-first on every launch, with .L2::256B on each copy
-//    (one 256-byte DRAM fetch for a 256-byte row of head_dim 128), whichever the descriptor:
-//    if the fetch size was the loss, this is 4 without it on b64 x 4096.
-//  - kGqaDecodeFetch256: .L2::256B without the policy, its control: whether the fetch size
-//    alone moves the default.
-// Page ids (read by every KV head's CTA), Q and the partial rows (read by the merge) keep the
-// normal policy and fetch size.
-//
-// The split-KV merge: kGqaDecodeEvictFirstWideMerge runs merge_states.cu's wide kernel, and the
-// variants after it the same as a programmatic dependent launch whose CTAs start while the
-// attention's last CTAs run (this kernel triggers it as it starts: every CTA of a split launch is
-// then resident) and wait for the attention's completion only before they read the partial rows.
-// On b1 x 16384 the wide merge took 2.8 us off 2 and the dependent launch 1 us more.
+// Launches that split keys (the plan has merges: a few long sequences, whose K/V is not much more
+// than the L2) differ in two ways, each measured on the H200 with kernel_bench (median us) on
+// b1 x 16384 at head_dim 128 (32 chunks of 512 keys): 36.5 -> 30.1 us in all, 1.08x+ the speed
+// of SDPA's cuDNN.
+//  - K/V copies under an L2 evict-first policy: -2.7 us. Each K/V row is read once, by one CTA
+//    (the packed rows fit one tile), so keeping it in L2 serves nobody, while allocating it there
+//    evicts another line, after real traffic's appends and outputs (or kernel_bench's flush) a
+//    dirty one: a DRAM write beside the read. Evict-first makes the clean K/V lines the victims.
+//  - merge_states.cu's wide merge (-2.8 us) as a programmatic dependent launch (-1.0 us): its
+//    CTAs start while the attention's last CTAs run (this kernel triggers it as it starts: every
+//    CTA of a split launch is then resident) and wait for the attention's completion only before
+//    they read the partial rows.
+// Unsplit launches keep the plain copies. Their reads (1 GiB and more) dwarf any writebacks saved,
+// and evict-first added 4-5% there (b64 x 4096 at page size 1 266 -> 279 us, 40/10 b128 x 2048
+// 327 -> 339 us), for a reason not known: the SASS of the two copies differs only in the memory
+// descriptor (LDGSTS desc[UR]: createpolicy's constant in place of the driver's). A 256-byte L2
+// fetch hint (.L2::256B) gained nothing: with evict-first it ran as evict-first alone, and without
+// it as slowly (b64 x 4096 p1 277-279 us). Page ids, Q and the partial rows keep the normal policy.
 //
 // Prefills whose sequences each have at most 16 packed rows run here too
 // (kGqaPrefillOnDecodeKernel): the rows carry their causal limits, so nothing in the kernel is
@@ -69,21 +58,18 @@ constexpr int kBlockN = kWarps * 16;
 // tiles allow (head_dim 128: 3 x 32 KiB K/V tiles + Q = 100 KiB per CTA).
 constexpr int StagesFor(int head_dim) { return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2; }
 
-// What a build of the kernel does, as bits of its kKernel (KernelOf: a variant and page size's
-// build). Variants 0 and 1 are builds 0 and kStagedIdsBit.
-constexpr int kStagedIdsBit = 1;     // page ids through shared memory (PageIdStage)
-constexpr int kEvictFirstBit = 2;    // K/V copied under EvictFirstPolicy
-constexpr int kTriggerMergeBit = 4;  // lets the merge (a dependent launch) start as the CTA starts
-constexpr int kFetch256Bit = 8;      // K/V copied with .L2::256B
+// What a build of the kernel does, as bits of its kKernel (KernelOf picks a launch's build).
+constexpr int kStagedIdsBit = 1;  // page ids through shared memory (PageIdStage)
+// For launches that split keys (file comment): K/V copied under EvictFirstPolicy, and the merge,
+// a programmatic dependent launch, let start as each CTA starts.
+constexpr int kSplitKeysBit = 2;
 
 // A build's tiles and how it finds its rows.
 template <int kHeadDim, int kKernel>
 struct DecodeTraits {
   static constexpr int kStages = StagesFor(kHeadDim);
   static constexpr bool kStagedIds = (kKernel & kStagedIdsBit) != 0;
-  static constexpr bool kEvictFirst = (kKernel & kEvictFirstBit) != 0;
-  static constexpr bool kTriggerMerge = (kKernel & kTriggerMergeBit) != 0;
-  static constexpr bool kFetch256 = (kKernel & kFetch256Bit) != 0;
+  static constexpr bool kSplitKeys = (kKernel & kSplitKeysBit) != 0;
 
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
@@ -112,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
   using T = DecodeTraits<kHeadDim, kKernel>;
   constexpr int kStages = T::kStages;
   using Tile = typename T::Tile;
-  if constexpr (T::kTriggerMerge) TriggerDependentLaunch();
+  if constexpr (T::kSplitKeys) TriggerDependentLaunch();
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   bf16* s_kv = s_q + kBlockM * kHeadDim;  // stage s: K at 2 s, V at 2 s + 1 (tiles)
@@ -133,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
   const PagedRows rows = GqaKeyRows(p.cache, p.batch, seq, kv_head);
   const bf16* k_base = rows.base;
   const bf16* v_base = rows.base + GqaValueOffset(p.cache);
-  const uint64_t kv_policy = T::kEvictFirst ? EvictFirstPolicy() : 0;
+  const uint64_t kv_policy = T::kSplitKeys ? EvictFirstPolicy() : 0;
 
   const int num_tiles = (item.kv_end - item.kv_begin + kBlockN - 1) / kBlockN;
   auto first_key = [&](int t) { return item.kv_begin + t * kBlockN; };
@@ -141,17 +127,15 @@ __global__ void __launch_bounds__(kThreads)
   auto lookup = [&](int t) { return T::Ring::Lookup(rows, first_key(t), item.kv_end, tid); };
   // The same from the ids staged in shared memory (T::kStagedIds; tile t's copy group done).
   auto staged_lookup = [&](int t) { return ids->Lookup(rows, t, first_key(t), item.kv_end, tid); };
-  auto copy_kv = [kv_policy](bf16* dst, const bf16* src, bool valid) {
-    CopyAsync16<T::kEvictFirst, T::kFetch256>(dst, src, valid, kv_policy);
-  };
   // Issues tile t's copies from its ring slot (stored and synchronized before), and with them
   // those of tile t + kStages's page ids.
   auto load_tile = [&](int t) {
     if (t < num_tiles) {
       bf16* stage = s_kv + (t % kStages) * 2 * T::kTileElems;
-      Tile::template LoadRows<kBlockN, kThreads>(stage, k_base, ring->Offsets(t), tid, copy_kv);
-      Tile::template LoadRows<kBlockN, kThreads>(stage + T::kTileElems, v_base, ring->Offsets(t),
-                                                 tid, copy_kv);
+      Tile::template LoadRows<kBlockN, kThreads, T::kSplitKeys>(stage, k_base, ring->Offsets(t),
+                                                                tid, kv_policy);
+      Tile::template LoadRows<kBlockN, kThreads, T::kSplitKeys>(stage + T::kTileElems, v_base,
+                                                                ring->Offsets(t), tid, kv_policy);
     }
     if constexpr (T::kStagedIds) {
       ids->Fetch(rows, t + kStages, first_key(t + kStages), item.kv_end, tid);
@@ -309,34 +293,32 @@ cudaError_t Tiling(KernelTiling* tiling) {
                         kBlockN, tiling);
 }
 
-// The builds KernelOf returns, each compiled for every head_dim.
-template <int... kKernels>
-struct Builds {};
-constexpr int kIds = kStagedIdsBit, kEvict = kEvictFirstBit, kTrigger = kTriggerMergeBit,
-              kFetch = kFetch256Bit;
-using AllBuilds = Builds<0, kIds,                                      // 0, 1; 5 unsplit
-                         kEvict, kIds | kEvict,                        // 2, 3
-                         kEvict | kTrigger, kIds | kEvict | kTrigger,  // 4; 5 split
-                         kEvict | kTrigger | kFetch, kIds | kEvict | kTrigger | kFetch,  // 6
-                         kTrigger | kFetch, kIds | kTrigger | kFetch>;                   // 7
-
 // Runs F<kHeadDim, kernel>::Run(args...) for the head_dim and build.
-template <template <int, int> class F, int kHeadDim, int... kKernels, typename... Args>
-cudaError_t ForKernel(Builds<kKernels...>, int kernel, Args&&... args) {
-  cudaError_t result = cudaErrorInvalidValue;
-  ((kernel == kKernels && (result = F<kHeadDim, kKernels>::Run(args...), true)) || ...);
-  return result;
+template <template <int, int> class F, int kHeadDim, typename... Args>
+cudaError_t ForKernel(int kernel, Args&&... args) {
+  switch (kernel) {
+    case 0:
+      return F<kHeadDim, 0>::Run(args...);
+    case kStagedIdsBit:
+      return F<kHeadDim, kStagedIdsBit>::Run(args...);
+    case kSplitKeysBit:
+      return F<kHeadDim, kSplitKeysBit>::Run(args...);
+    case kStagedIdsBit | kSplitKeysBit:
+      return F<kHeadDim, kStagedIdsBit | kSplitKeysBit>::Run(args...);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 template <template <int, int> class F, typename... Args>
 cudaError_t Dispatch(int head_dim, int kernel, Args&&... args) {
   switch (head_dim) {
     case 64:
-      return ForKernel<F, 64>(AllBuilds{}, kernel, args...);
+      return ForKernel<F, 64>(kernel, args...);
     case 128:
-      return ForKernel<F, 128>(AllBuilds{}, kernel, args...);
+      return ForKernel<F, 128>(kernel, args...);
     case 256:
-      return ForKernel<F, 256>(AllBuilds{}, kernel, args...);
+      return ForKernel<F, 256>(kernel, args...);
     default:
       return cudaErrorInvalidValue;
   }
@@ -354,36 +336,17 @@ struct TilingOf {
   static cudaError_t Run(KernelTiling* tiling) { return Tiling<kHeadDim, kKernel>(tiling); }
 };
 
-// The variant the default (-1) runs: the parts of 2-4 that measured a gain on the H200 (file
-// comment), evict-first on split launches and the wide merge as a dependent launch.
-constexpr int kDefaultGqaDecode = kGqaDecodeSplitEvictFirst;
-
-// The build a plan's variant runs at a page size, on a launch that splits keys or not. Every
-// variant but 0 and 1 takes staged page ids where a tile spans several pages (page size 1: 64 ids
-// a tile, read from DRAM), the page-table reads otherwise (one id a tile, adjacent to the last
-// one: 1-2% faster at page size 64 on the H200, bench/RESULTS.md), so that each compares with
-// the others at every page size; so does a short prefill's kGqaPrefillOnDecodeKernel.
+// The build a plan's variant runs at a page size, on a launch that splits keys or not. Variants 0
+// and 1 stay as bench/RESULTS.md measured them; the others take staged page ids where a tile
+// spans several pages (page size 1: 64 ids a tile, read from DRAM), the page-table reads otherwise
+// (one id a tile, adjacent to the last one: 1-2% faster at page size 64 on the H200,
+// bench/RESULTS.md). Short prefills (kGqaPrefillOnDecodeKernel) keep the plain copies and the row
+// merge on split launches too: not measured with the split build.
 int KernelOf(int variant, int page_size, bool splits) {
+  if (variant == kGqaDecodePageIdsPerTile) return 0;
+  if (variant == kGqaDecodeStagedPageIds) return kStagedIdsBit;
   const int ids = page_size < kBlockN ? kStagedIdsBit : 0;
-  switch (variant) {
-    case kGqaDecodePageIdsPerTile:
-      return 0;
-    case kGqaDecodeStagedPageIds:
-      return kStagedIdsBit;
-    case kGqaDecodeEvictFirst:
-    case kGqaDecodeEvictFirstWideMerge:  // the same kernel; the merge differs (GqaDecodeMergeKind)
-      return ids | kEvictFirstBit;
-    case kGqaDecodeEvictFirstOverlapMerge:
-      return ids | kEvictFirstBit | kTriggerMergeBit;
-    case kGqaDecodeSplitEvictFirst:
-      return splits ? ids | kEvictFirstBit | kTriggerMergeBit : ids;
-    case kGqaDecodeEvictFirstFetch256:
-      return ids | kEvictFirstBit | kTriggerMergeBit | kFetch256Bit;
-    case kGqaDecodeFetch256:
-      return ids | kTriggerMergeBit | kFetch256Bit;
-    default:
-      return ids;
-  }
+  return variant == kGqaDecodeAdaptive && splits ? ids | kSplitKeysBit : ids;
 }
 
 }  // namespace
@@ -394,17 +357,7 @@ cudaError_t LaunchGqaDecode(const GqaParams& p, const DevicePlan& plan, cudaStre
 }
 
 MergeKind GqaDecodeMergeKind(int variant) {
-  switch (variant) {
-    case kGqaDecodeEvictFirstWideMerge:
-      return MergeKind::kWide;
-    case kGqaDecodeEvictFirstOverlapMerge:
-    case kGqaDecodeSplitEvictFirst:
-    case kGqaDecodeEvictFirstFetch256:
-    case kGqaDecodeFetch256:
-      return MergeKind::kWideDependent;
-    default:  // 0-2 keep the merge they were measured with; kGqaPrefillOnDecodeKernel too
-      return MergeKind::kRows;
-  }
+  return variant == kGqaDecodeAdaptive ? MergeKind::kWideDependent : MergeKind::kRows;
 }
 
 cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
@@ -412,7 +365,7 @@ cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
   // (page-id schemes, split or not) have the same tiles and occupancy; they are described as the
   // unsplit build at page size 1.
   int& variant = tiling->variant;
-  if (variant < 0) variant = kDefaultGqaDecode;
+  if (variant < 0) variant = kGqaDecodeAdaptive;
   if (!IsGqaDecodeVariant(variant) && variant != kGqaPrefillOnDecodeKernel) {
     return cudaErrorInvalidValue;
   }

@@ -18,13 +18,13 @@ cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling);
 cudaError_t LaunchMla(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream);
 cudaError_t MlaTiling(int num_heads, bool decode, KernelTiling* tiling);
 
-// How the split-KV merge runs (merge_states.cu).
+// Which split-KV merge kernel runs (merge_states.cu says which launch uses which and why).
 enum class MergeKind {
   kRows,  // a CTA per (token, head) row, a thread per column quad summing every chunk
-  kWide,  // a CTA per row in groups of threads, each group summing a share of the chunks
-  // kWide, launched as a programmatic dependent of the kernel before it on the stream (sm_90+;
-  // elsewhere as kWide): it may start once that kernel triggers (TriggerDependentLaunch), and
-  // waits for that kernel's completion before reading the partials.
+  // A CTA per row in groups of threads, each group summing a share of the chunks, launched as a
+  // programmatic dependent of the kernel before it on the stream (sm_90+): it may start once that
+  // kernel triggers (TriggerDependentLaunch), and waits for its completion before reading the
+  // partials.
   kWideDependent,
 };
 

@@ -26,31 +26,14 @@ __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   return policy;
 }
 
-// CopyAsync16 with L2 hints, for bytes a kernel reads once (gqa_decode.cu says when they pay).
-//  - kEvictFirst: under `policy` (EvictFirstPolicy; ignored otherwise). In SASS the policy is the
-//    copy's memory descriptor (LDGSTS desc[UR]): createpolicy's constant replaces the one the
-//    driver provides for every global access (c[0x0][0x208] on sm_90), and with it whatever else
-//    that one carries.
-//  - kFetch256: .L2::256B, the L2 fetches the aligned 256 bytes around the copy from DRAM
-//    (LDGSTS .LTC256B, whichever the descriptor). The plain copy names no fetch size.
-template <bool kEvictFirst, bool kFetch256>
+// CopyAsync16 under an L2 cache `policy` (EvictFirstPolicy), for bytes a kernel reads once
+// (gqa_decode.cu says where that pays).
 __device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool valid,
                                             uint64_t policy) {
   const uint32_t to = SmemAddress(dst);
   const int src_bytes = valid ? 16 : 0;
-  if constexpr (kEvictFirst && kFetch256) {
-    asm volatile(
-        "cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(to),
-        "l"(src), "r"(src_bytes), "l"(policy));
-  } else if constexpr (kEvictFirst) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(to),
-                 "l"(src), "r"(src_bytes), "l"(policy));
-  } else if constexpr (kFetch256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(to), "l"(src),
-                 "r"(src_bytes));
-  } else {
-    CopyAsync16(dst, src, valid);
-  }
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(to),
+               "l"(src), "r"(src_bytes), "l"(policy));
 }
 
 // Copies 4 bytes from global `src` to shared `dst` (through L1: .cg takes only 16-byte copies).
