@@ -149,8 +149,8 @@ cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer&) { return cudaError
 #endif
 
 cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
+  const bool decode = p.batch.qo_indptr == nullptr;
   if (plan.num_items > 0) {
-    const bool decode = p.batch.qo_indptr == nullptr;
     if (decode || plan.variant == kGqaPrefillOnDecodeKernel) {
       ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaDecode(p, plan, stream));
 #ifdef ATTN_HAVE_SM90
@@ -161,7 +161,8 @@ cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_
       ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaPrefill(p, plan, stream, plan.variant));
     }
   }
-  return LaunchMergeStates(plan, p.num_qo_heads, p.cache.head_dim, p.out, p.lse, stream);
+  return LaunchMergeStates(plan, p.num_qo_heads, p.cache.head_dim, p.out, p.lse, stream,
+                           decode ? GqaDecodeMergeKind(plan.variant) : MergeKind::kRows);
 }
 
 cudaError_t MlaAttention(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {

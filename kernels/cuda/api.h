@@ -75,12 +75,18 @@ inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
-// (kernels/cuda/gqa_decode.cu). The default (-1), and short prefills (kGqaPrefillOnDecodeKernel),
-// pick one by page size at launch: staged ids below 64 tokens a page.
+// (kernels/cuda/gqa_decode.cu). The default (-1) resolves to kGqaDecodeAdaptive.
 inline constexpr int kGqaDecodePageIdsPerTile = 0;  // each tile's page ids read from global memory
 inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead into shared memory
+// The default: each launch picks by its page size and plan. Staged page ids below 64 tokens a
+// page, per-tile reads above (as short prefills, kGqaPrefillOnDecodeKernel, do). Launches that
+// split keys copy K/V evict-first in L2 and run the wide split-KV merge as a programmatic
+// dependent launch (sm_90+); unsplit ones copy K/V as 0 and 1 do. On the H200: b1 x 16384
+// 36.5 -> 30.1 us, unsplit decodes unchanged (evict-first would cost them 4-5%). Numbered 5 as
+// when it was measured beside 2-4, 6 and 7, since removed (gqa_decode.cu has what they showed).
+inline constexpr int kGqaDecodeAdaptive = 5;
 inline constexpr bool IsGqaDecodeVariant(int v) {
-  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds;
+  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive;
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
@@ -153,9 +159,9 @@ struct KernelTiling {
   int cluster_splits = 0;     // PlanConfig::cluster_splits: the kernel merges splits in clusters
 };
 
-// Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches. For GQA
-// prefill and MLA, tiling->variant may name a variant on entry (tests and benchmarks compare
-// them); on return it names the one the launch runs.
+// Tiling of the kernel serving GQA (prefill when `decode` is false) / MLA launches.
+// tiling->variant may name a variant on entry (tests and benchmarks compare them); on return it
+// names the one the launch runs.
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling);
 // Tiling of kGqaPrefillOnDecodeKernel, for LaunchOptions::short_prefill.
 cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling);

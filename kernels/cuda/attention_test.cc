@@ -164,10 +164,10 @@ std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidate
       candidates, [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, false, t); });
 }
 
-// The GQA decode variants every run checks (the default picks one of them by page size).
+// The GQA decode variants every run checks (the default resolves to kGqaDecodeAdaptive).
 std::vector<int> DecodeVariants(int head_dim) {
   return AcceptedVariants(
-      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds},
+      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive},
       [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, true, t); });
 }
 
@@ -512,6 +512,9 @@ TEST_F(KernelTest, GqaWorkloadShapes) {
   RunGqa(g16, {"decode_b16", Decode(std::vector<int>(16, 3800)), decode, 32}, decode_variants);
   RunGqa({1, 1, 32, 8, 128}, {"decode_b64_page1", Decode(lens64), decode, 32}, decode_variants);
   RunGqa({1, 64, 32, 8, 128}, {"decode_b64_page64", Decode(lens64), decode, 32}, decode_variants);
+  // 32 chunks of 512 keys at head_dim 256: more than the wide merge loads at once (2 groups of 8).
+  RunGqa({1, 16, 8, 1, 256}, {"decode_b1_16k_dim256", Decode({16384}), decode},
+         DecodeVariants(256));
 
   BatchOptions prefill;
   prefill.append = true;

@@ -14,6 +14,25 @@
 // (bench/RESULTS.md). kGqaDecodeStagedPageIds copies each tile's ids into shared memory with the
 // copies of the tile kStages before it, so that they have landed when the tile needs them.
 //
+// Launches that split keys (the plan has merges: a few long sequences, whose K/V is not much more
+// than the L2) differ in two ways, each measured on the H200 with kernel_bench (median us) on
+// b1 x 16384 at head_dim 128 (32 chunks of 512 keys): 36.5 -> 30.1 us in all, 1.08x+ the speed
+// of SDPA's cuDNN.
+//  - K/V copies under an L2 evict-first policy: -2.7 us. Each K/V row is read once, by one CTA
+//    (the packed rows fit one tile), so keeping it in L2 serves nobody, while allocating it there
+//    evicts another line, after real traffic's appends and outputs (or kernel_bench's flush) a
+//    dirty one: a DRAM write beside the read. Evict-first makes the clean K/V lines the victims.
+//  - merge_states.cu's wide merge (-2.8 us) as a programmatic dependent launch (-1.0 us): its
+//    CTAs start while the attention's last CTAs run (this kernel triggers it as it starts: every
+//    CTA of a split launch is then resident) and wait for the attention's completion only before
+//    they read the partial rows.
+// Unsplit launches keep the plain copies. Their reads (1 GiB and more) dwarf any writebacks saved,
+// and evict-first added 4-5% there (b64 x 4096 at page size 1 266 -> 279 us, 40/10 b128 x 2048
+// 327 -> 339 us), for a reason not known: the SASS of the two copies differs only in the memory
+// descriptor (LDGSTS desc[UR]: createpolicy's constant in place of the driver's). A 256-byte L2
+// fetch hint (.L2::256B) gained nothing: with evict-first it ran as evict-first alone, and without
+// it as slowly (b64 x 4096 p1 277-279 us). Page ids, Q and the partial rows keep the normal policy.
+//
 // Prefills whose sequences each have at most 16 packed rows run here too
 // (kGqaPrefillOnDecodeKernel): the rows carry their causal limits, so nothing in the kernel is
 // decode-only, and a 128-row prefill CTA would be mostly padding.
@@ -39,12 +58,18 @@ constexpr int kBlockN = kWarps * 16;
 // tiles allow (head_dim 128: 3 x 32 KiB K/V tiles + Q = 100 KiB per CTA).
 constexpr int StagesFor(int head_dim) { return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2; }
 
-// A variant's (api.h) tiles and how it finds its rows.
-template <int kHeadDim, int kVariant>
+// What a build of the kernel does, as bits of its kKernel (KernelOf picks a launch's build).
+constexpr int kStagedIdsBit = 1;  // page ids through shared memory (PageIdStage)
+// For launches that split keys (file comment): K/V copied under EvictFirstPolicy, and the merge,
+// a programmatic dependent launch, let start as each CTA starts.
+constexpr int kSplitKeysBit = 2;
+
+// A build's tiles and how it finds its rows.
+template <int kHeadDim, int kKernel>
 struct DecodeTraits {
   static constexpr int kStages = StagesFor(kHeadDim);
-  // Page ids through shared memory (PageIdStage).
-  static constexpr bool kStagedIds = kVariant == kGqaDecodeStagedPageIds;
+  static constexpr bool kStagedIds = (kKernel & kStagedIdsBit) != 0;
+  static constexpr bool kSplitKeys = (kKernel & kSplitKeysBit) != 0;
 
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
@@ -67,12 +92,13 @@ struct DecodeTraits {
                                     static_cast<int>(sizeof(Ring)) + static_cast<int>(sizeof(Ids));
 };
 
-template <int kHeadDim, int kVariant>
+template <int kHeadDim, int kKernel>
 __global__ void __launch_bounds__(kThreads)
     GqaDecodeKernel(const GqaParams p, const WorkItem* __restrict__ items, const RowSink sink) {
-  using T = DecodeTraits<kHeadDim, kVariant>;
+  using T = DecodeTraits<kHeadDim, kKernel>;
   constexpr int kStages = T::kStages;
   using Tile = typename T::Tile;
+  if constexpr (T::kSplitKeys) TriggerDependentLaunch();
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   bf16* s_kv = s_q + kBlockM * kHeadDim;  // stage s: K at 2 s, V at 2 s + 1 (tiles)
@@ -93,6 +119,7 @@ __global__ void __launch_bounds__(kThreads)
   const PagedRows rows = GqaKeyRows(p.cache, p.batch, seq, kv_head);
   const bf16* k_base = rows.base;
   const bf16* v_base = rows.base + GqaValueOffset(p.cache);
+  const uint64_t kv_policy = T::kSplitKeys ? EvictFirstPolicy() : 0;
 
   const int num_tiles = (item.kv_end - item.kv_begin + kBlockN - 1) / kBlockN;
   auto first_key = [&](int t) { return item.kv_begin + t * kBlockN; };
@@ -105,9 +132,10 @@ __global__ void __launch_bounds__(kThreads)
   auto load_tile = [&](int t) {
     if (t < num_tiles) {
       bf16* stage = s_kv + (t % kStages) * 2 * T::kTileElems;
-      Tile::template LoadRows<kBlockN, kThreads>(stage, k_base, ring->Offsets(t), tid);
-      Tile::template LoadRows<kBlockN, kThreads>(stage + T::kTileElems, v_base, ring->Offsets(t),
-                                                 tid);
+      Tile::template LoadRows<kBlockN, kThreads, T::kSplitKeys>(stage, k_base, ring->Offsets(t),
+                                                                tid, kv_policy);
+      Tile::template LoadRows<kBlockN, kThreads, T::kSplitKeys>(stage + T::kTileElems, v_base,
+                                                                ring->Offsets(t), tid, kv_policy);
     }
     if constexpr (T::kStagedIds) {
       ids->Fetch(rows, t + kStages, first_key(t + kStages), item.kv_end, tid);
@@ -240,10 +268,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int kHeadDim, int kVariant>
+template <int kHeadDim, int kKernel>
 cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-  using T = DecodeTraits<kHeadDim, kVariant>;
-  auto kernel = GqaDecodeKernel<kHeadDim, kVariant>;
+  using T = DecodeTraits<kHeadDim, kKernel>;
+  auto kernel = GqaDecodeKernel<kHeadDim, kKernel>;
   ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kernel, T::kSmemBytes));
   const RowSink sink = RowSink::ForGqa(p, plan);
   const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
@@ -252,84 +280,96 @@ cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stre
   return cudaSuccess;
 }
 
-template <int kHeadDim, int kVariant>
+template <int kHeadDim, int kKernel>
 cudaError_t Tiling(KernelTiling* tiling) {
-  using T = DecodeTraits<kHeadDim, kVariant>;
+  using T = DecodeTraits<kHeadDim, kKernel>;
   // Measured on H200 (bench/RESULTS.md): batch 1 x 16384 keys ran 44 us with 256-key chunks,
   // 37 us with 512 (fewer CTAs and merge inputs, each CTA long enough to fill its pipeline).
   tiling->min_chunk_len = 512;
   // Batch 64 x 4096 (32/8 heads: 512 CTAs, 1.94 waves) ran 268 us unsplit and 277 us in 2048-key
   // chunks at page size 1 on the H200 (bench/RESULTS.md).
   tiling->no_split_fill = 0.9;
-  return DescribeKernel(GqaDecodeKernel<kHeadDim, kVariant>, kThreads, T::kSmemBytes, kBlockM,
+  return DescribeKernel(GqaDecodeKernel<kHeadDim, kKernel>, kThreads, T::kSmemBytes, kBlockM,
                         kBlockN, tiling);
 }
 
-// Runs F<kHeadDim, kVariant>::Run(args...) for the head_dim and variant.
+// Runs F<kHeadDim, kernel>::Run(args...) for the head_dim and build.
 template <template <int, int> class F, int kHeadDim, typename... Args>
-cudaError_t ForVariant(int variant, Args&&... args) {
-  switch (variant) {
-    case kGqaDecodePageIdsPerTile:
-      return F<kHeadDim, kGqaDecodePageIdsPerTile>::Run(args...);
-    case kGqaDecodeStagedPageIds:
-      return F<kHeadDim, kGqaDecodeStagedPageIds>::Run(args...);
+cudaError_t ForKernel(int kernel, Args&&... args) {
+  switch (kernel) {
+    case 0:
+      return F<kHeadDim, 0>::Run(args...);
+    case kStagedIdsBit:
+      return F<kHeadDim, kStagedIdsBit>::Run(args...);
+    case kSplitKeysBit:
+      return F<kHeadDim, kSplitKeysBit>::Run(args...);
+    case kStagedIdsBit | kSplitKeysBit:
+      return F<kHeadDim, kStagedIdsBit | kSplitKeysBit>::Run(args...);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
 template <template <int, int> class F, typename... Args>
-cudaError_t Dispatch(int head_dim, int variant, Args&&... args) {
+cudaError_t Dispatch(int head_dim, int kernel, Args&&... args) {
   switch (head_dim) {
     case 64:
-      return ForVariant<F, 64>(variant, args...);
+      return ForKernel<F, 64>(kernel, args...);
     case 128:
-      return ForVariant<F, 128>(variant, args...);
+      return ForKernel<F, 128>(kernel, args...);
     case 256:
-      return ForVariant<F, 256>(variant, args...);
+      return ForKernel<F, 256>(kernel, args...);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
-template <int kHeadDim, int kVariant>
+template <int kHeadDim, int kKernel>
 struct LaunchOf {
   static cudaError_t Run(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-    return Launch<kHeadDim, kVariant>(p, plan, stream);
+    return Launch<kHeadDim, kKernel>(p, plan, stream);
   }
 };
 
-template <int kHeadDim, int kVariant>
+template <int kHeadDim, int kKernel>
 struct TilingOf {
-  static cudaError_t Run(KernelTiling* tiling) { return Tiling<kHeadDim, kVariant>(tiling); }
+  static cudaError_t Run(KernelTiling* tiling) { return Tiling<kHeadDim, kKernel>(tiling); }
 };
 
-// The decode variant a plan's variant runs: its own, or for -1 and a short prefill's
-// kGqaPrefillOnDecodeKernel the default for the page size: staged page ids where a tile spans
-// several pages (page size 1: 64 ids a tile, read from DRAM), the page-table reads otherwise
+// The build a plan's variant runs at a page size, on a launch that splits keys or not. Variants 0
+// and 1 stay as bench/RESULTS.md measured them; the others take staged page ids where a tile
+// spans several pages (page size 1: 64 ids a tile, read from DRAM), the page-table reads otherwise
 // (one id a tile, adjacent to the last one: 1-2% faster at page size 64 on the H200,
-// bench/RESULTS.md).
-int DecodeVariantOf(int variant, int page_size) {
-  if (IsGqaDecodeVariant(variant)) return variant;
-  return page_size < kBlockN ? kGqaDecodeStagedPageIds : kGqaDecodePageIdsPerTile;
+// bench/RESULTS.md). Short prefills (kGqaPrefillOnDecodeKernel) keep the plain copies and the row
+// merge on split launches too: not measured with the split build.
+int KernelOf(int variant, int page_size, bool splits) {
+  if (variant == kGqaDecodePageIdsPerTile) return 0;
+  if (variant == kGqaDecodeStagedPageIds) return kStagedIdsBit;
+  const int ids = page_size < kBlockN ? kStagedIdsBit : 0;
+  return variant == kGqaDecodeAdaptive && splits ? ids | kSplitKeysBit : ids;
 }
 
 }  // namespace
 
 cudaError_t LaunchGqaDecode(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {
-  return Dispatch<LaunchOf>(p.cache.head_dim, DecodeVariantOf(plan.variant, p.cache.page_size), p,
-                            plan, stream);
+  const int kernel = KernelOf(plan.variant, p.cache.page_size, plan.num_merges > 0);
+  return Dispatch<LaunchOf>(p.cache.head_dim, kernel, p, plan, stream);
+}
+
+MergeKind GqaDecodeMergeKind(int variant) {
+  return variant == kGqaDecodeAdaptive ? MergeKind::kWideDependent : MergeKind::kRows;
 }
 
 cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
-  // -1 and a short prefill's kGqaPrefillOnDecodeKernel stay as they are: the launch picks the
-  // variant by page size (both variants have the same tiles and the same occupancy).
-  const int variant = tiling->variant;
-  if (variant >= 0 && !IsGqaDecodeVariant(variant) && variant != kGqaPrefillOnDecodeKernel) {
+  // The default resolves here, as the prefill's and MLA's do (api.h). The builds of a variant
+  // (page-id schemes, split or not) have the same tiles and occupancy; they are described as the
+  // unsplit build at page size 1.
+  int& variant = tiling->variant;
+  if (variant < 0) variant = kGqaDecodeAdaptive;
+  if (!IsGqaDecodeVariant(variant) && variant != kGqaPrefillOnDecodeKernel) {
     return cudaErrorInvalidValue;
   }
-  return Dispatch<TilingOf>(
-      head_dim, IsGqaDecodeVariant(variant) ? variant : kGqaDecodeStagedPageIds, tiling);
+  return Dispatch<TilingOf>(head_dim, KernelOf(variant, 1, false), tiling);
 }
 
 }  // namespace attn::cuda

@@ -17,6 +17,25 @@ __device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool val
                "r"(src_bytes));
 }
 
+// An L2 cache policy (createpolicy) under which the lines a copy brings in are the first its L2
+// set evicts: for bytes read once, so that they replace each other instead of lines still to be
+// read, or dirty lines whose eviction costs a DRAM write on top of the read.
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// CopyAsync16 under an L2 cache `policy` (EvictFirstPolicy), for bytes a kernel reads once
+// (gqa_decode.cu says where that pays).
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool valid,
+                                            uint64_t policy) {
+  const uint32_t to = SmemAddress(dst);
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(to),
+               "l"(src), "r"(src_bytes), "l"(policy));
+}
+
 // Copies 4 bytes from global `src` to shared `dst` (through L1: .cg takes only 16-byte copies).
 __device__ __forceinline__ void CopyAsync4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(SmemAddress(dst)), "l"(src));

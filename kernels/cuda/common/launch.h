@@ -44,4 +44,22 @@ __device__ __forceinline__ ItemHead CurrentItemHead(int num_heads) {
   return {static_cast<int>(blockIdx.x) / num_heads, static_cast<int>(blockIdx.x) % num_heads};
 }
 
+// Programmatic dependent launch (sm_90+; no-ops on older devices, where a dependent launch runs
+// after the grid before it as any other). A grid calls TriggerDependentLaunch to let the next
+// grid on its stream, when launched with cudaLaunchAttributeProgrammaticStreamSerialization,
+// start once every CTA of this one has triggered or exited; that grid calls WaitForPrimaryGrid
+// before it reads anything the grid before it writes, which returns once that grid has completed
+// and its writes are visible.
+__device__ __forceinline__ void TriggerDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void WaitForPrimaryGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 }  // namespace attn::cuda

@@ -70,10 +70,11 @@ struct SwizzledTile {
 
   // cp.async of rows [0, kRows) from base + offsets[r] (see RowOffsetRing); rows with offset -1
   // (past the key range) are zero-filled: never read, as a NaN there would survive a zero
-  // softmax weight.
-  template <int kRows, int kThreads>
+  // softmax weight. kEvictFirst: the copies go under the L2 `policy` (EvictFirstPolicy).
+  template <int kRows, int kThreads, bool kEvictFirst = false>
   __device__ __forceinline__ static void LoadRows(bf16* tile, const bf16* base,
-                                                  const int64_t* offsets, int tid) {
+                                                  const int64_t* offsets, int tid,
+                                                  uint64_t policy = 0) {
     constexpr int kTotal = kRows * kChunks;
 #pragma unroll
     for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
@@ -82,7 +83,13 @@ struct SwizzledTile {
       const int r = idx / kChunks;
       const int c = idx % kChunks;
       const int64_t offset = offsets[r];
-      CopyAsync16(tile + Offset(r, c), base + (offset >= 0 ? offset + c * 8 : 0), offset >= 0);
+      bf16* dst = tile + Offset(r, c);
+      const bf16* src = base + (offset >= 0 ? offset + c * 8 : 0);
+      if constexpr (kEvictFirst) {
+        CopyAsync16(dst, src, offset >= 0, policy);
+      } else {
+        CopyAsync16(dst, src, offset >= 0);
+      }
     }
   }
 };
