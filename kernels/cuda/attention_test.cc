@@ -175,11 +175,12 @@ std::vector<int> DecodeVariants(int head_dim) {
 // ones where they run and take that many heads, or those ATTN_TEST_MLA_VARIANTS lists ("0,10": to
 // bisect a failing variant on the GPU).
 std::vector<int> MlaVariants(int num_heads) {
-  std::vector<int> candidates = {
-      cuda::kMlaPortable,     cuda::kMlaSm90,          cuda::kMlaSm90SplitS,
-      cuda::kMlaSm90Seesaw,   cuda::kMlaSm90SplitSTma, cuda::kMlaSm90SeesawTma,
-      cuda::kMlaSm90Narrow16, cuda::kMlaSm90Narrow32,  cuda::kMlaSm90LateRightTma,
-      cuda::kMlaSm90Narrow16Cluster, cuda::kMlaSm90Narrow32Cluster};
+  std::vector<int> candidates = {cuda::kMlaPortable,           cuda::kMlaSm90,
+                                 cuda::kMlaSm90SplitS,         cuda::kMlaSm90Seesaw,
+                                 cuda::kMlaSm90SplitSTma,      cuda::kMlaSm90SeesawTma,
+                                 cuda::kMlaSm90Narrow16,       cuda::kMlaSm90Narrow32,
+                                 cuda::kMlaSm90LateRightTma,   cuda::kMlaSm90Narrow16Cluster,
+                                 cuda::kMlaSm90Narrow32Cluster};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) candidates = ParseList(list);
   return AcceptedVariants(
       candidates, [&](cuda::KernelTiling* t) { return cuda::GetMlaTiling(num_heads, false, t); });

@@ -35,13 +35,13 @@
 // TMA variant (kTmaKv): key tiles come as TMA boxes, one per page and 64-column block (page sizes
 // 16-128 that divide the tile) or one per column block (page sizes that are multiples of it), each
 // producer warp's elected lane issuing every fourth box, instead of 128 lanes issuing 32 cp.async
-// each after gathering their row offsets (the default since it won 5.5-9% on the H200,
-// bench/RESULTS.md; 26 below is 24 with lean tiles). With cp.async (19) each producer warp issues ~340
-// instructions per tile, a quarter of all issued on its SM sub-partition, in bursts when a stage
-// frees (during the consumers' softmax); here ~170, mostly on the uniform datapath. TMA writes
-// through the async proxy, so the consumers no longer fence (MEMBAR) before each GEMM. A work's
-// last tile, where it reaches past the sequence's keys (slots there may hold NaN), is copied by
-// every producer lane as before; page sizes TMA cannot cut tiles from run the copying twin.
+// each after gathering their row offsets (it won 5.5-9% on the H200,
+// bench/RESULTS.md; 26 below is 24 with lean tiles). With cp.async (19) each producer warp issues
+// ~340 instructions per tile, a quarter of all issued on its SM sub-partition, in bursts when a
+// stage frees (during the consumers' softmax); here ~170, mostly on the uniform datapath. TMA
+// writes through the async proxy, so the consumers no longer fence (MEMBAR) before each GEMM. A
+// work's last tile, where it reaches past the sequence's keys (slots there may hold NaN), is copied
+// by every producer lane as before; page sizes TMA cannot cut tiles from run the copying twin.
 //
 // Causal block skipping is the planner's (kv_end is cut to the keys the tile's last row sees);
 // masking runs only on the tiles that cross a row's limit: with 128 packed rows of 32 tokens

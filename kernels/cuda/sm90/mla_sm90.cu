@@ -1252,20 +1252,14 @@ __device__ __forceinline__ void MergeCluster(const MlaParams& p, const Work& w, 
   }
 }
 
-// MergeCluster for the launch's cluster size.
-template <typename T>
+// MergeCluster for the launch's cluster size n (2 to kMaxClusterSplits).
+template <typename T, int kSplits = 2>
 __device__ __forceinline__ void MergeClusterOf(const MlaParams& p, const Work& w, const Smem<T>& s,
-                                               int tid, const RowSink& sink) {
-  static_assert(kMaxClusterSplits == 8);
-  switch (cooperative_groups::this_cluster().num_blocks()) {
-    case 2: return MergeCluster<T, 2>(p, w, s, tid, sink);
-    case 3: return MergeCluster<T, 3>(p, w, s, tid, sink);
-    case 4: return MergeCluster<T, 4>(p, w, s, tid, sink);
-    case 5: return MergeCluster<T, 5>(p, w, s, tid, sink);
-    case 6: return MergeCluster<T, 6>(p, w, s, tid, sink);
-    case 7: return MergeCluster<T, 7>(p, w, s, tid, sink);
-    default: return MergeCluster<T, 8>(p, w, s, tid, sink);
+                                               int tid, const RowSink& sink, int n) {
+  if constexpr (kSplits < kMaxClusterSplits) {
+    if (n != kSplits) return MergeClusterOf<T, kSplits + 1>(p, w, s, tid, sink, n);
   }
+  MergeCluster<T, kSplits>(p, w, s, tid, sink);
 }
 
 // `clustered`: the launch runs the plan's row tiles as clusters of their chunks (kClusterMerge).
@@ -1323,7 +1317,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       // Every thread of the cluster, the producers' too: each CTA's chunk is staged, then no CTA
       // leaves while another may still read its shared memory.
       cooperative_groups::this_cluster().sync();
-      MergeClusterOf<T>(p, w, s, tid, sink);
+      MergeClusterOf<T>(p, w, s, tid, sink,
+                        static_cast<int>(cooperative_groups::this_cluster().num_blocks()));
       cooperative_groups::this_cluster().sync();
     }
   }
