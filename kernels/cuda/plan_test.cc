@@ -191,11 +191,9 @@ TEST(PlanTest, FullWavesStayUnsplitWhenTheKernelSaysSo) {
   ExpectPlanCovers(c, split, q, kv_long);
 }
 
-TEST(PlanTest, OneWaveTargetSplitsIntoAboutOneWave) {
-  // The transposed MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, NarrowTraits): 16 heads
-  // in one 16-row item per sequence, one CTA per SM of 132, target_waves 1, 512-key chunks at
-  // least. 64 x 4096: 64 CTAs < 1 wave -> 262144 keys / 132 items -> 1986 -> 2048-key chunks,
-  // 128 CTAs in one wave (4 target waves would make 4 chunks and two waves).
+// The transposed MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, NarrowTraits): 16 heads in
+// one 16-row item per sequence, one CTA per SM of 132, target_waves 1, 512-key chunks at least.
+PlanConfig NarrowMlaDecodeConfig() {
   PlanConfig c;
   c.group = 16;
   c.num_qo_heads = 16;
@@ -206,6 +204,13 @@ TEST(PlanTest, OneWaveTargetSplitsIntoAboutOneWave) {
   c.waves_before_split = 1.0;
   c.target_waves = 1.0;
   c.min_chunk_len = 512;
+  return c;
+}
+
+TEST(PlanTest, OneWaveTargetSplitsIntoAboutOneWave) {
+  // 64 x 4096: 64 CTAs < 1 wave -> 262144 keys / 132 items -> 1986 -> 2048-key chunks,
+  // 128 CTAs in one wave (4 target waves would make 4 chunks and two waves).
+  const PlanConfig c = NarrowMlaDecodeConfig();
   std::vector<int32_t> q(64, 1), kv(64, 4096);
   const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 64);
   EXPECT_EQ(plan.chunk_len, 2048);
@@ -301,16 +306,7 @@ TEST(PlanTest, ClusterSplitsCutEveryTileIntoOneGroup) {
   // The transposed MLA decode merging in clusters of up to 8 CTAs: 64 x 4096 splits into
   // 2048-key chunks (64 CTAs < 1 wave), so every sequence becomes two adjacent items that write
   // the final rows together.
-  PlanConfig c;
-  c.group = 16;
-  c.num_qo_heads = 16;
-  c.block_m = 16;
-  c.block_n = 64;
-  c.cta_slots = 132;
-  c.causal = false;
-  c.waves_before_split = 1.0;
-  c.target_waves = 1.0;
-  c.min_chunk_len = 512;
+  PlanConfig c = NarrowMlaDecodeConfig();
   c.cluster_splits = 8;
   // Three short sequences beside them: 64 + 36 keys; one partial tile, so that the second chunk
   // is empty; no key at all.
