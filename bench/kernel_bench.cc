@@ -4,7 +4,7 @@
 // same shapes with torch's SDPA backends (and the cuBLAS GEMM ceiling); bench/report.py joins the
 // two JSON files into bench/RESULTS.md's table.
 //
-//   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,10]
+//   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
 //                [--mla_variants 0,10] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
 //                [--sequential_pages] [--stamps DIR]
 //
@@ -19,11 +19,10 @@
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
 // difference is what scattered page reads cost a kernel.
 //
-// --stamps DIR runs the stamped GQA prefills (kGqaPrefillSm90Solo3Stamped and its persistent
-// kGqaPrefillSm90Solo3PersistentStamped) once more on every GQA prefill shape of head_dim 128,
-// after a flush, and writes their phase stamps to DIR/<shape>_v<variant>.stamps (one work a
-// line, the kPhaseStampSlots slots of kernels/cuda/api.h's PhaseSlot); bench/stamps.py says
-// where the time went.
+// --stamps DIR runs the stamped GQA prefill (kGqaPrefillSm90Stamped: the default's kernel with
+// phase stamps) once more on every GQA prefill shape of head_dim 128, after a flush, and writes
+// its phase stamps to DIR/<shape>_v<variant>.stamps (one work a line, the kPhaseStampSlots slots
+// of kernels/cuda/api.h's PhaseSlot); bench/stamps.py says where the time went.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -296,7 +295,7 @@ int Main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
-                   "[--prefill_variants 0,10] [--mla_variants 0,10] [--decode_variants 0,1] "
+                   "[--prefill_variants 0,26] [--mla_variants 0,10] [--decode_variants 0,1] "
                    "[--min_chunk KEYS] [--waves W] [--sequential_pages] [--stamps DIR]\n");
       return 2;
     }
@@ -353,10 +352,7 @@ int Main(int argc, char** argv) {
       }
     }
     if (!stamps_dir.empty() && has_variants && s.head_dim == 128) {
-      for (int v :
-           {cuda::kGqaPrefillSm90Solo3Stamped, cuda::kGqaPrefillSm90Solo3PersistentStamped}) {
-        WriteStamps(s, h, v, stamps_dir, flush, flush_bytes);
-      }
+      WriteStamps(s, h, cuda::kGqaPrefillSm90Stamped, stamps_dir, flush, flush_bytes);
     }
   }
   if (!json.empty()) {

@@ -32,11 +32,8 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
 }
 
 bool IsSm90Prefill(int variant) {
-  return (variant >= kGqaPrefillSm90Serial && variant <= kGqaPrefillSm90LeanSerialPersistent) ||
-         variant == kGqaPrefillSm90LeanOverlap3 || variant == kGqaPrefillSm90LeanOverlapSolo3 ||
-         variant == kGqaPrefillSm90Solo3Persistent || variant == kGqaPrefillSm90Solo3Stamped ||
-         variant == kGqaPrefillSm90Solo3PersistentStamped || variant == kGqaPrefillSm90Solo3Tma ||
-         variant == kGqaPrefillSm90Solo3TmaLeanTiles;
+  return variant == kGqaPrefillSm90LeanOverlapSolo3 || variant == kGqaPrefillSm90Stamped ||
+         variant == kGqaPrefillSm90Solo3Tma || variant == kGqaPrefillSm90Solo3TmaLeanTiles;
 }
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the

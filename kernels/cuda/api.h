@@ -33,35 +33,21 @@ struct DevicePlan {
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and
 // up the Hopper kernels (sm_90a, compute capability 9.0, head_dim 64 / 128 / 256), of which the
-// default (-1) selects kGqaPrefillSm90Solo3Tma where they run (kernels/cuda/sm90/).
-inline constexpr int kGqaPrefillSm90Serial = 10;   // each GEMM waited for before the softmax
-inline constexpr int kGqaPrefillSm90Overlap = 11;  // softmax under P V, warpgroups take turns
-// The two schedules above with the lean producer (row offsets gathered once per tile, plain
-// cp.async): 1.3-1.5x faster than 10 and 11 on the H200 (bench/RESULTS.md).
-inline constexpr int kGqaPrefillSm90LeanSerial = 12;
-inline constexpr int kGqaPrefillSm90LeanOverlap = 13;
-// 12 as a persistent kernel: one wave of CTAs that take the work items in turn, each item's Q
-// and first tiles copied while the previous item finishes (bench/RESULTS.md: level with the
-// default on short sequences, 3-10% slower on long ones, so not the default).
-inline constexpr int kGqaPrefillSm90LeanSerialPersistent = 14;
-// The overlap schedule (softmax under the P V GEMM) with a third K/V stage (head_dim 64 and 128;
-// 256 keeps two), with and without the warpgroups taking turns at the GEMMs. Without turns (19)
-// it was the default before 24: 2-3% faster than 12 on three of kernel_bench's four prefill shapes
-// on the H200 and even on the fourth (bench/RESULTS.md, which also has the schedules that lost:
-// 12 with turns, 13 without, 12 with three stages).
-inline constexpr int kGqaPrefillSm90LeanOverlap3 = 18;
+// default (-1) selects kGqaPrefillSm90Solo3TmaLeanTiles where they run (kernels/cuda/sm90/). The
+// three (19, 24, 26) run one schedule: each tile's softmax under the previous tile's P V GEMM,
+// three K/V stages (two at head_dim 256), the two consumer warpgroups issuing their GEMMs freely.
+// The schedules they beat on the H200 (10-14, 18, 22, 23) are gone; bench/RESULTS.md records each.
+// The cp.async reference: the producer's lanes gather a tile's row offsets, then copy it with
+// plain cp.async. The default before 24: 2-3% faster than 12 (each GEMM waited for) on three of
+// kernel_bench's four prefill shapes on the H200 and even on the fourth (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90LeanOverlapSolo3 = 19;
 // A prefill on the decode kernel (16-row CTAs, any compute capability). The planner picks it by
 // itself (LaunchOptions::short_prefill) for launches whose sequences each have at most 16 packed
 // rows: one or a few new tokens per sequence, where a 128-row prefill CTA is mostly padding.
 inline constexpr int kGqaPrefillOnDecodeKernel = 20;
-// Head_dim 128 only: kGqaPrefillSm90LeanOverlapSolo3 as a persistent kernel (as 14 is 12's): its
-// works' start-up hides behind the last one's tiles, but each key tile takes 3-10% longer, so it
-// is level with 19 or slower (bench/RESULTS.md); and 19 and 22 writing per-work phase stamps
-// into the buffer SetGqaPrefillPhaseStamps names, for kernel_bench --stamps.
-inline constexpr int kGqaPrefillSm90Solo3Persistent = 22;
-inline constexpr int kGqaPrefillSm90Solo3Stamped = 21;
-inline constexpr int kGqaPrefillSm90Solo3PersistentStamped = 23;
+// Head_dim 128 only: kGqaPrefillSm90Solo3TmaLeanTiles writing per-work phase stamps into the
+// buffer SetGqaPrefillPhaseStamps names, for kernel_bench --stamps.
+inline constexpr int kGqaPrefillSm90Stamped = 21;
 // kGqaPrefillSm90LeanOverlapSolo3 with key tiles by TMA (one box per page and 64 columns, issued
 // by an elected lane of each producer warp) instead of every producer lane's cp.async, where the
 // page size lets boxes cut whole tiles (16, 32, 64, or a multiple of the tile; elsewhere it runs
@@ -115,11 +101,11 @@ inline constexpr int kMlaSm90Narrow16Cluster = 22;
 inline constexpr int kMlaSm90Narrow32Cluster = 23;
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of
-// kPhaseStampSlots words per work (item index * KV heads + KV head: a CTA, unless persistent),
-// each slot a PhaseSlot.
+// kPhaseStampSlots words per work (item index * KV heads + KV head: one CTA), each slot a
+// PhaseSlot.
 enum class PhaseSlot : int {
   kSmAndTiles = 0,  // %smid | key tiles << 32
-  kStartNs,         // global timer (ns) at the CTA's start (persistent: the consumers' start)
+  kStartNs,         // global timer (ns) at the CTA's start
   kEndNs0,          // global timer at the end of consumer warpgroup 0's epilogue
   kEndNs1,          // ... and warpgroup 1's
   kStartClock,      // the SM's clock (cycles) at the CTA's start

@@ -116,22 +116,13 @@ uint64_t Seed() {
   return seed;
 }
 
-// The GQA prefill variants every run checks: the portable kernel, the sm_90a kernels that passed
-// on the H200 (the default is one of them) and the decode kernel, which the default takes for
-// short prefills (checked here on every prefill case, long ones included); or those
-// ATTN_TEST_PREFILL_VARIANTS lists ("20": the decode kernel alone, after a change to it).
-const std::vector<int> kAllPrefillVariants = {0,
-                                              cuda::kGqaPrefillSm90Serial,
-                                              cuda::kGqaPrefillSm90Overlap,
-                                              cuda::kGqaPrefillSm90LeanSerial,
-                                              cuda::kGqaPrefillSm90LeanOverlap,
-                                              cuda::kGqaPrefillSm90LeanSerialPersistent,
-                                              cuda::kGqaPrefillSm90LeanOverlap3,
-                                              cuda::kGqaPrefillSm90LeanOverlapSolo3,
-                                              cuda::kGqaPrefillSm90Solo3Persistent,
-                                              cuda::kGqaPrefillSm90Solo3Tma,
-                                              cuda::kGqaPrefillSm90Solo3TmaLeanTiles,
-                                              cuda::kGqaPrefillOnDecodeKernel};
+// The GQA prefill variants every run checks: the portable kernel, the sm_90a kernels (the default
+// is one of them) and the decode kernel, which the default takes for short prefills (checked here
+// on every prefill case, long ones included); or those ATTN_TEST_PREFILL_VARIANTS lists ("20": the
+// decode kernel alone, after a change to it).
+const std::vector<int> kAllPrefillVariants = {
+    0, cuda::kGqaPrefillSm90LeanOverlapSolo3, cuda::kGqaPrefillSm90Solo3Tma,
+    cuda::kGqaPrefillSm90Solo3TmaLeanTiles, cuda::kGqaPrefillOnDecodeKernel};
 
 // Those of `candidates` the entry points accept on this device (the portable kernels
 // everywhere, the sm_90a kernels on Hopper): get_tiling(&tiling) with tiling.variant set.
@@ -154,9 +145,21 @@ std::vector<int> ParseList(const char* list) {
   return out;
 }
 
+// A listed number that names no variant (-1 for the default, kAllPrefillVariants or the stamped
+// one) fails the test: the entry points would refuse it everywhere, and the test would pass
+// without running it.
 std::vector<int> CheckedPrefillVariants() {
   const char* list = std::getenv("ATTN_TEST_PREFILL_VARIANTS");
-  return list ? ParseList(list) : kAllPrefillVariants;
+  if (list == nullptr) return kAllPrefillVariants;
+  const std::vector<int> variants = ParseList(list);
+  for (int v : variants) {
+    const bool known = v == -1 || v == cuda::kGqaPrefillSm90Stamped ||
+                       std::find(kAllPrefillVariants.begin(), kAllPrefillVariants.end(), v) !=
+                           kAllPrefillVariants.end();
+    EXPECT_TRUE(known) << "ATTN_TEST_PREFILL_VARIANTS names " << v
+                       << ", no GQA prefill variant of kernels/cuda/api.h";
+  }
+  return variants;
 }
 
 std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidates) {
@@ -571,8 +574,9 @@ void ExpectStamped(GqaHostBatch& host, int variant, int stamped) {
     EXPECT_GT(at(PhaseSlot::kStartNs), 0u);
     if ((at(PhaseSlot::kSmAndTiles) >> 32) == 0) continue;  // a work without keys ends early
     ++with_tiles;
-    // Stamps of one thread are in program order; warpgroup 1's and the producer's are only
-    // written (no barrier orders them against warpgroup 0's in a persistent CTA).
+    // Stamps of one thread are in program order, and the CTA's start stamps come before the
+    // barrier every thread passes; the producer's and warpgroup 1's are otherwise only written
+    // (nothing orders them against warpgroup 0's).
     EXPECT_LE(at(PhaseSlot::kStartNs), at(PhaseSlot::kEndNs0));
     EXPECT_LT(at(PhaseSlot::kStartClock), at(PhaseSlot::kQReadyClock));
     EXPECT_LT(at(PhaseSlot::kQReadyClock), at(PhaseSlot::kFirstSClock));
@@ -585,20 +589,22 @@ void ExpectStamped(GqaHostBatch& host, int variant, int stamped) {
   EXPECT_GT(with_tiles, 0);
 }
 
+// The stamped variant is the default's kernel: its TMA tiles at page size 16, its copying twin at
+// page size 3.
 TEST_F(KernelTest, GqaPrefillPhaseStamps) {
-  if (PrefillVariants(128, {cuda::kGqaPrefillSm90Solo3Stamped}).empty()) {
+  if (PrefillVariants(128, {cuda::kGqaPrefillSm90Stamped}).empty()) {
     GTEST_SKIP() << "no sm_90a kernels here";
   }
   std::mt19937_64 rng(Seed());
   BatchOptions options;
   options.append = true;
-  // More works than SMs, so a persistent CTA takes several.
   std::vector<SeqSpec> seqs = {{300, 1000, 0}, {130, 130, 0}, {0, 7, 0}};
   for (int i = 0; i < 12; ++i) seqs.push_back({100 + 40 * i, 600, 0});
-  GqaHostBatch host = MakeGqaBatch({1, 16, 40, 10, 128}, seqs, options, rng);
-  ExpectStamped(host, cuda::kGqaPrefillSm90LeanOverlapSolo3, cuda::kGqaPrefillSm90Solo3Stamped);
-  ExpectStamped(host, cuda::kGqaPrefillSm90Solo3Persistent,
-                cuda::kGqaPrefillSm90Solo3PersistentStamped);
+  for (int page_size : {16, 3}) {
+    SCOPED_TRACE(::testing::Message() << "page " << page_size);
+    GqaHostBatch host = MakeGqaBatch({1, page_size, 40, 10, 128}, seqs, options, rng);
+    ExpectStamped(host, cuda::kGqaPrefillSm90Solo3TmaLeanTiles, cuda::kGqaPrefillSm90Stamped);
+  }
 }
 
 // A prefill launched chunk by chunk (LaunchOptions::output_chunk_bytes), in any order, computes

@@ -5,32 +5,23 @@
 // = 128 packed rows (query token x query head of the KV head) against keys [kv_begin, kv_end) of
 // one sequence, in tiles of kBlockN keys. Three warpgroups:
 //   - the producer (warpgroup 0, few registers) copies the Q tile once and then each K and V tile
-//     from its pages with cp.async into a ring (two or three stages) of swizzled tiles; the
+//     from its pages into a ring of swizzled tiles (three stages; two at head_dim 256); the
 //     copies of a stage complete on the stage's "full" mbarrier, and the producer refills a stage
-//     once both consumers have arrived on its "empty" mbarrier. cp.async where TMA cannot cut the
-//     tile (a tile of 128 keys spans 128 pages at page size 1 and does not align with odd page
-//     sizes): each lane looks up one row's page and its row group shares the offsets by shuffles.
-//     The default takes whole tiles by TMA where the page size allows (kTmaKv below).
+//     once both consumers have arrived on its "empty" mbarrier. The default takes whole tiles by
+//     TMA where the page size allows (kTmaKv below); elsewhere cp.async (a tile of 128 keys spans
+//     128 pages at page size 1 and does not align with odd page sizes): each lane looks up one
+//     row's page and its row group shares the offsets by shuffles, and a lane gathers all of a
+//     tile's row offsets before it issues the tile's plain copies (about 8 instructions per
+//     16-byte copy instead of 22 pass by pass: 1.3-1.5x faster on the H200).
 //   - two consumers (warpgroups 1, 2; 64 rows each) compute S = Q K^T with wgmma from shared
 //     memory, the online softmax in registers (the accumulator fragment is the mma.sync one, so
 //     the portable OnlineSoftmax / MaskScores / StoreRows apply), and O += P V with P as the
 //     register A operand and V as the transposed shared-memory B operand.
-// Schedules (Traits below; the variants are named in kernels/cuda/api.h): "serial" waits for
-// each GEMM; "overlap" issues tile t's S and tile t-1's P V back to back, runs tile t's softmax
-// while the P V GEMM is in flight and has the two consumer warpgroups take turns issuing GEMMs
-// (FA3's intra-warpgroup overlap and pingpong). Once the producer's copies were lean, the
-// overlap schedule with a third K/V stage and without the turns became the fastest, by 2-3%
-// (bench/RESULTS.md): with the turns it loses on long unmasked rows.
-//
-// Persistent variants launch one wave of CTAs that each take work items in turn: the producer
-// copies the next item's Q and first tiles while the consumers finish the last one and write its
-// rows, so a CTA's start-up hides behind work instead of costing every item (its phase stamps:
-// 2.6 us from a CTA's start to its Q in shared memory, 1.5 more to the first S, in a 24.5 us CTA
-// of 8 x 512). CTA c takes works c, 2 grid - 1 - c, 2 grid + c, ... (a snake over the planner's
-// longest-first order, so each CTA's rounds add up to about the same keys), and the producer,
-// which reads each work's item and sequence from global memory anyway, hands the consumers the
-// whole Work through a two-slot ring in shared memory: their next work is one shared load away,
-// not a chain of dependent global loads after the last one's epilogue.
+// The schedule: tile t's S and tile t-1's P V GEMMs are issued back to back and tile t's softmax
+// runs while the P V GEMM is in flight, the two consumer warpgroups issuing their GEMMs freely
+// (FA3's intra-warpgroup overlap, without its pingpong). The schedules it beat on the H200 (each
+// GEMM waited for, the warpgroups taking turns at the GEMMs, two stages, copies pass by pass,
+// persistent CTAs: variants 10-14, 18, 22 and 23) are gone; bench/RESULTS.md records each.
 //
 // TMA variant (kTmaKv): key tiles come as TMA boxes, one per page and 64-column block (page sizes
 // 16-128 that divide the tile) or one per column block (page sizes that are multiples of it), each
@@ -84,58 +75,37 @@ constexpr int kThreads = 384;
 // Registers per lane at launch: the most __launch_bounds__(kThreads, 1) leaves (ptxas allocates
 // in steps of 8), which is the pool setmaxnreg redistributes.
 constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-// Named barriers of the consumers' GEMM turns (pingpong): warpgroup w waits on kTurnBarrier + w.
-constexpr int kTurnBarrier = 1;
 // The smallest page TMA boxes are cut to (smaller pages run the copying twin).
 constexpr int kMinTmaPage = 16;
-// The ring in which a persistent producer hands the consumers their next works.
-constexpr int kWorkSlots = 2;
-constexpr int kWorkSlotBytes = 80;  // a Work, 16-byte aligned
 
 // Where the stamped variant writes its records (SetGqaPrefillPhaseStamps).
 __device__ PhaseStampBuffer g_phase_stamps;
 
-// One kernel instance: head_dim, key tile and the schedule.
-//   kOverlap: tile t's S GEMM and tile t-1's P V GEMM are issued back to back, and tile t's
-//     softmax runs while the P V GEMM is in flight (else each GEMM is waited for).
-//   kPingPong: the two consumer warpgroups take turns issuing their GEMMs (named barriers), so
-//     one's softmax runs under the other's GEMMs instead of both at once.
-//   kLeanCopies: the producer gathers a tile's row offsets first and issues plain cp.async
-//     (about 8 instructions per 16-byte copy instead of 22, the suspected bound of the other
-//     variants), with more registers for it: 1.3-1.5x faster on the H200, the suspicion held.
-//   kPersistent: one wave of CTAs loops over the work items (else one CTA per item).
-//   kStages: the K/V ring's depth.
-//   kStamps: each work writes its phase stamps (a record per work index: per CTA unless
-//     persistent).
+// One kernel instance: head_dim and three switches.
 //   kTmaKv: key tiles inside the sequence come by TMA (launched with a tensor map of the cache
 //     where the page size allows; CopiesTwin otherwise).
-//   kLeanTiles (overlap schedule): less on the path between one GEMM's end and the next one's
-//     issue. The softmax takes both of a lane's rows in one straight-line pass where the scale
-//     is positive (OnlineSoftmax::UpdatePositiveScale); O's rescale by tile t - 1's factor runs
-//     after tile t's S GEMM is issued; and the work's last P V, which nothing overlaps, skips
-//     the half of the tile past its keys where it ends there (the causal diagonal).
-template <int kHeadDim_, int kBlockN_, bool kOverlap_, bool kPingPong_, bool kLeanCopies_,
-          bool kPersistent_, int kStages_, bool kStamps_ = false, bool kTmaKv_ = false,
-          bool kLeanTiles_ = false>
+//   kLeanTiles: less on the path between one GEMM's end and the next one's issue. The softmax
+//     takes both of a lane's rows in one straight-line pass where the scale is positive
+//     (OnlineSoftmax::UpdatePositiveScale); O's rescale by tile t - 1's factor runs after tile
+//     t's S GEMM is issued; and the work's last P V, which nothing overlaps, skips the half of
+//     the tile past its keys where it ends there (the causal diagonal).
+//   kStamps: the CTA writes its phase stamps (one record, at its work's index).
+// Key tiles: 128 keys for head_dim 64 and 128 (Q + three stages of K and V: 224 KiB at 128); 64
+// for head_dim 256, whose O takes 128 registers per lane, in two stages (192 KiB).
+template <int kHeadDim_, bool kTmaKv_, bool kLeanTiles_, bool kStamps_ = false>
 struct Traits {
-  static constexpr bool kStamps = kStamps_;
+  static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kTmaKv = kTmaKv_;
   static constexpr bool kLeanTiles = kLeanTiles_;
-  static_assert(!kTmaKv || (kLeanCopies_ && !kPersistent_), "TMA: one work per CTA, lean tails");
-  using CopiesTwin = Traits<kHeadDim_, kBlockN_, kOverlap_, kPingPong_, kLeanCopies_, kPersistent_,
-                            kStages_, kStamps_, false, kLeanTiles_>;
-  static constexpr int kStages = kStages_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr bool kOverlap = kOverlap_;
-  static constexpr bool kPingPong = kPingPong_;
-  static constexpr bool kLeanCopies = kLeanCopies_;
-  static constexpr bool kPersistent = kPersistent_;
-  // setmaxnreg moves registers within the CTA's pool: 384 lanes x 168 = 128 x 40 + 256 x 232
-  // = 128 x 56 + 256 x 224. A split asking for more than the pool (64 + 224) leaves the
-  // consumers waiting in setmaxnreg forever.
-  static constexpr int kProducerRegisters = kLeanCopies ? 56 : 40;
-  static constexpr int kConsumerRegisters = kLeanCopies ? 224 : 232;
+  static constexpr bool kStamps = kStamps_;
+  using CopiesTwin = Traits<kHeadDim_, false, kLeanTiles_, kStamps_>;
+  static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
+  static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
+  // setmaxnreg moves registers within the CTA's pool: 384 lanes x 168 = 128 x 56 + 256 x 224
+  // (the producer's copies hold a tile's row offsets). A split asking for more than the pool
+  // leaves the consumers waiting in setmaxnreg forever.
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
   static constexpr int kPoolRegisters = 128 * kProducerRegisters + 256 * kConsumerRegisters;
   static_assert(kPoolRegisters <= kThreads * kLaunchRegisters);
   static constexpr int kChunks = kHeadDim / 8;        // 16-byte chunks per row
@@ -145,10 +115,9 @@ struct Traits {
   static_assert(kKvPasses <= kChunks, "one producer lane per row of a pass group holds its page");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kBarriers = 2 + 4 * kStages + 2 * kWorkSlots;
+  static constexpr int kBarriers = 2 + 4 * kStages;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
-  static constexpr int kSmemBytes =
-      1024 + kQBytes + 2 * kStages * kTileBytes + 8 * kBarriers + kWorkSlots * kWorkSlotBytes;
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kTileBytes + 8 * kBarriers;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -171,14 +140,6 @@ struct Smem {
   __device__ uint32_t VFull(int stage) const { return Barrier(1 + 2 * T::kStages + stage); }
   __device__ uint32_t VEmpty(int stage) const { return Barrier(1 + 3 * T::kStages + stage); }
   __device__ uint32_t QEmpty() const { return Barrier(1 + 4 * T::kStages); }
-  __device__ uint32_t WorkFull(int slot) const { return Barrier(2 + 4 * T::kStages + slot); }
-  __device__ uint32_t WorkEmpty(int slot) const {
-    return Barrier(2 + 4 * T::kStages + kWorkSlots + slot);
-  }
-  // Offset of a work slot from base (the kernel reaches it through a generic pointer).
-  __device__ uint32_t WorkSlotOffset(int slot) const {
-    return T::kQBytes + 2 * T::kStages * T::kTileBytes + 8 * T::kBarriers + slot * kWorkSlotBytes;
-  }
 };
 
 // The stamped variant's stamp of `slot` (the others compile nothing): the SM's clock, or `value`.
@@ -201,27 +162,11 @@ struct Work {
   int group;
   int num_rows;   // packed rows of the sequence
   int num_tiles;  // key tiles of the item
-  // Where the item stands in the CTA's sequence of items, for the barriers' phases: the CTA's
-  // items before it that had tiles (each used the Q buffer once), and their tiles (each went
-  // through the K/V ring once).
-  int q_uses;
-  int tiles_before;
 };
-static_assert(sizeof(Work) <= kWorkSlotBytes);
 
-// The index of the CTA's work in round `round` of a persistent launch: a snake over the works,
-// forward in even rounds and backward in odd ones. Rises with the round, so the first past
-// num_works ends the CTA's rounds.
-__device__ __forceinline__ int PersistentWorkIndex(int round) {
-  const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
-  return round * g + (round % 2 ? g - 1 - c : c);
-}
-
-// Work index `index` (item-major: item index / heads, KV head index % heads), following the CTA's
-// work `previous` (a CTA's first follows Work{}: no Q use, no tiles).
+// Work index `index` (item-major: item index / heads, KV head index % heads).
 template <typename T>
-__device__ __forceinline__ Work MakeWork(const GqaParams& p, const WorkItem* items, int index,
-                                         const Work& previous) {
+__device__ __forceinline__ Work MakeWork(const GqaParams& p, const WorkItem* items, int index) {
   const int heads = p.cache.num_kv_heads;
   Work w;
   w.index = index;
@@ -231,8 +176,6 @@ __device__ __forceinline__ Work MakeWork(const GqaParams& p, const WorkItem* ite
   w.group = p.num_qo_heads / heads;
   w.num_rows = w.seq.q_len * w.group;
   w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + T::kBlockN - 1) / T::kBlockN);
-  w.q_uses = previous.q_uses + (previous.num_tiles > 0 ? 1 : 0);
-  w.tiles_before = previous.tiles_before + previous.num_tiles;
   return w;
 }
 
@@ -258,8 +201,10 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     Stamp<T>(w.index, PhaseSlot::kSmAndTiles, SmId() | uint64_t{uint32_t(w.num_tiles)} << 32);
   if (w.num_tiles == 0) return;  // nothing to copy; the consumers skip it as well
 
-  // The consumers' release of the Q buffer from the CTA's previous item (none: returns at once).
-  BarrierWait(s.QEmpty(), (w.q_uses & 1) ^ 1);
+  // The consumers' release of the Q buffer, which a CTA fills once: returns at once. (Kept from
+  // the persistent CTAs, as is the consumers' arrival, so that the kernels' code stays as
+  // measured.)
+  BarrierWait(s.QEmpty(), 1);
   for (int i = 0; i < T::kQPasses; ++i) {
     const int r = row0 + i * T::kRowsPerPass;
     const int packed = w.item.row_begin + r;
@@ -276,14 +221,14 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
   const bf16* k_base = rows.base + chunk * 8;
   const bf16* v_base = k_base + GqaValueOffset(p.cache);
   // Lane `chunk` of a row group looks up the row its group copies in pass `chunk`. Rows past the
-  // key range are either zero-filled (offset -1) or, with kLeanCopies, copy the range's last key
-  // again: real, finite data the consumers mask, so every copy is a plain one. (Never the slot
-  // itself: a NaN-poisoned slot would survive a zero softmax weight.)
+  // key range copy the range's last key again: real, finite data the consumers mask, so every
+  // copy is a plain one. (Never the slot itself: a NaN-poisoned slot would survive a zero softmax
+  // weight.)
   // The page-table read is issued a tile ahead and kept as read: the row's offset is computed
   // from it in the tile's own iteration. Computed at the lookup, it made the producer wait there
   // for the read before it issued the copies of the tile before.
   struct Lookup {
-    int32_t page_id;  // -1: zero-filled
+    int32_t page_id;
     int slot;
   };
   auto lookup = [&](int t) -> Lookup {
@@ -291,41 +236,27 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     const bool used = chunk < T::kKvPasses && t < w.num_tiles;
     Lookup l;
     int page;
-    if constexpr (T::kLeanCopies) {
-      rows.PageSlot(min(key, w.item.kv_end - 1), &page, &l.slot);
-      l.page_id = used ? rows.pages[page] : 0;
-    } else {
-      const bool in_range = used && key < w.item.kv_end;
-      rows.PageSlot(in_range ? key : 0, &page, &l.slot);
-      l.page_id = in_range ? rows.pages[page] : -1;
-    }
+    rows.PageSlot(min(key, w.item.kv_end - 1), &page, &l.slot);
+    l.page_id = used ? rows.pages[page] : 0;
     return l;
   };
+  // (No page id is negative: the -1 is what the copies pass by pass zero-filled. Without the
+  // test ptxas schedules the producer differently, so it stays until that is measured.)
   auto offset_of = [&](const Lookup& l) -> int64_t {
     return l.page_id >= 0 ? rows.OffsetIn(l.page_id, l.slot) : -1;
   };
+  // All of the tile's row offsets first, then all its copies: the shuffles' and the address
+  // arithmetic's latencies overlap instead of adding up pass by pass.
   auto copy_tile = [&](uint32_t tile, const bf16* base, int64_t offset) {
-    if constexpr (T::kLeanCopies) {
-      // All of the tile's row offsets first, then all its copies: the shuffles' and the address
-      // arithmetic's latencies overlap instead of adding up pass by pass.
-      int64_t row_offset[T::kKvPasses];
+    int64_t row_offset[T::kKvPasses];
 #pragma unroll
-      for (int i = 0; i < T::kKvPasses; ++i) {
-        row_offset[i] = __shfl_sync(0xffffffffu, offset, group_lane0 + i);
-      }
+    for (int i = 0; i < T::kKvPasses; ++i) {
+      row_offset[i] = __shfl_sync(0xffffffffu, offset, group_lane0 + i);
+    }
 #pragma unroll
-      for (int i = 0; i < T::kKvPasses; ++i) {
-        const int r = row0 + i * T::kRowsPerPass;
-        CopyAsync16(tile + SwizzledOffset(kBlockN, r, chunk), base + row_offset[i]);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < T::kKvPasses; ++i) {
-        const int64_t row_offset = __shfl_sync(0xffffffffu, offset, group_lane0 + i);
-        const int r = row0 + i * T::kRowsPerPass;
-        CopyAsync16(tile + SwizzledOffset(kBlockN, r, chunk),
-                    base + (row_offset >= 0 ? row_offset : 0), row_offset >= 0);
-      }
+    for (int i = 0; i < T::kKvPasses; ++i) {
+      const int r = row0 + i * T::kRowsPerPass;
+      CopyAsync16(tile + SwizzledOffset(kBlockN, r, chunk), base + row_offset[i]);
     }
   };
 
@@ -378,9 +309,8 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
       int map_rows[kMaxWarpBoxes];
       read_rows(0, page, map_rows);
       for (int t = 0; t < tma_tiles; ++t) {
-        const int g = w.tiles_before + t;
-        const int stage = g % T::kStages;
-        const uint32_t parity = ((g / T::kStages) & 1) ^ 1;
+        const int stage = t % T::kStages;
+        const uint32_t parity = ((t / T::kStages) & 1) ^ 1;
         // The next tile's page ids are read while this one is issued.
         int next_page = page, next_slot = slot;
         step(next_page, next_slot);
@@ -418,9 +348,8 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     // The copied tail: once the stage is free each warp's lanes copy their rows of K and V and
     // wait for their copies, and one lane makes the warp's arrival on both full barriers.
     for (int t = tma_tiles; t < w.num_tiles; ++t) {
-      const int g = w.tiles_before + t;
-      const int stage = g % T::kStages;
-      const uint32_t parity = ((g / T::kStages) & 1) ^ 1;
+      const int stage = t % T::kStages;
+      const uint32_t parity = ((t / T::kStages) & 1) ^ 1;
       BarrierWait(s.KEmpty(stage), parity);
       BarrierWait(s.VEmpty(stage), parity);
       const int64_t offset = offset_of(lookup(t));
@@ -441,9 +370,8 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
   } else {
     Lookup current = lookup(0);
     for (int t = 0; t < w.num_tiles; ++t) {
-      const int g = w.tiles_before + t;  // the tile's pass through the ring
-      const int stage = g % T::kStages;
-      const uint32_t parity = ((g / T::kStages) & 1) ^ 1;  // the consumers' release of this stage
+      const int stage = t % T::kStages;
+      const uint32_t parity = ((t / T::kStages) & 1) ^ 1;  // the consumers' release of this stage
       const Lookup next = lookup(t + 1);  // the page-table read flies while this tile is issued
       const int64_t offset = offset_of(current);  // read a tile ago
       BarrierWait(s.KEmpty(stage), parity);
@@ -545,25 +473,18 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   auto release = [&](uint32_t bar) {
     if (lane == 0) BarrierArrive(bar);  // one arrival per consumer warp (8 in all)
   };
-  // Item tile t's stage and phase in the K/V ring, which the CTA's items go through in turn.
-  auto stage_of = [&](int t) { return (w.tiles_before + t) % T::kStages; };
+  // Tile t's stage and phase in the K/V ring.
+  auto stage_of = [&](int t) { return t % T::kStages; };
   const int tma_tiles = T::kTmaKv ? TmaTiles<T>(w) : 0;
   auto wait_full = [&](uint32_t bar, int t) {
-    BarrierWait(bar, ((w.tiles_before + t) / T::kStages) & 1);
+    BarrierWait(bar, (t / T::kStages) & 1);
     // The cp.async data, seen through the barrier, before wgmma reads it (TMA tiles were written
     // through the async proxy wgmma reads by).
     if (!T::kTmaKv || t >= tma_tiles) FenceProxyAsync();
   };
-  // After the last S GEMM of the item has completed, the producer may copy the next item's Q.
+  // Once the work's last S GEMM has completed, the Q buffer is free.
   auto done_with_q = [&](int t) {
     if (t == w.num_tiles - 1) release(s.QEmpty());
-  };
-  // Pingpong: wait for this warpgroup's turn to issue GEMMs, then hand the turn over.
-  auto take_turn = [&] {
-    if constexpr (T::kPingPong) NamedBarrierSync(kTurnBarrier + cwg, 256);
-  };
-  auto pass_turn = [&] {
-    if constexpr (T::kPingPong) NamedBarrierArrive(kTurnBarrier + (cwg ^ 1), 256);
   };
   auto mask = [&](float(&acc)[kNTiles][4], int t) {
     const int n0 = w.item.kv_begin + t * kBlockN;
@@ -579,122 +500,82 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
     }
   };
 
-  if (T::kPingPong && cwg == 1) pass_turn();  // warpgroup 0 goes first
   if (w.num_tiles > 0) {
-    BarrierWait(s.QFull(), w.q_uses & 1);
+    BarrierWait(s.QFull(), 0);
     if constexpr (T::kTmaKv) FenceProxyAsync();  // Q's copies (the TMA tiles' waits do not fence)
     if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kQReadyClock);
     uint32_t pf[kPSteps][4];
-    if constexpr (T::kOverlap) {
-      {
-        float acc[kNTiles][4] = {};
-        const int stage = stage_of(0);
-        wait_full(s.KFull(stage), 0);
-        take_turn();
-        WgmmaFence();
-        issue_qk(acc, stage);
-        WgmmaCommit();
-        pass_turn();
-        WgmmaWait<0>();
-        PinRegisters(acc);
-        if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kFirstSClock);
-        release(s.KEmpty(stage));
-        done_with_q(0);
-        float alpha[2];
-        mask(acc, 0);
-        update(softmax, acc, alpha);  // O is still 0: nothing to rescale
-        ScoresToA(acc, pf);
-      }
-      // kLeanTiles: tile t - 1's factor for O, applied once tile t's S GEMM is issued (before
-      // the P V GEMM that adds to O), as FA3 does: the 64 multiplies run under that GEMM instead
-      // of between the last P V's end and the next S's issue. After tile 0, O is 0: 1.
-      float pending_alpha[2] = {1.f, 1.f};
-      for (int t = 1; t < w.num_tiles; ++t) {
-        const int stage = stage_of(t), prev = stage_of(t - 1);
-        float acc[kNTiles][4] = {};
-        wait_full(s.KFull(stage), t);
-        take_turn();
-        WgmmaFence();
-        issue_qk(acc, stage);
-        WgmmaCommit();
-        if constexpr (T::kLeanTiles) {
-          rescale(pending_alpha);
-          PinRegisters(o);  // before the P V GEMM's fence
-        }
-        wait_full(s.VFull(prev), t - 1);
-        WgmmaFence();
-        IssuePv<T, kPSteps>(o, pf, s.V(prev));  // (never the work's last tile)
-        WgmmaCommit();
-        pass_turn();
-        WgmmaWait<1>();  // S of tile t is ready; P V of tile t - 1 still runs
-        PinRegisters(acc);
-        release(s.KEmpty(stage));
-        done_with_q(t);
-        float alpha[2];
-        mask(acc, t);
-        update(softmax, acc, alpha);
-        WgmmaWait<0>();
-        PinRegisters(o);
-        PinRegisters(pf);  // the GEMM read pf until here
-        release(s.VEmpty(prev));
-        // P is packed only now, into the registers the finished GEMM read: written while it
-        // ran, the compiler would serialize every wgmma.
-        ScoresToA(acc, pf);
-        if constexpr (T::kLeanTiles) {
-          pending_alpha[0] = alpha[0];
-          pending_alpha[1] = alpha[1];
-        } else {
-          rescale(alpha);
-          PinRegisters(o);  // the rescale stays before the next GEMMs are issued
-        }
-        PinRegisters(pf);
-      }
-      if constexpr (T::kLeanTiles) rescale(pending_alpha);
-      const int last = stage_of(w.num_tiles - 1);
-      wait_full(s.VFull(last), w.num_tiles - 1);
-      take_turn();
+    {
+      float acc[kNTiles][4] = {};
+      const int stage = stage_of(0);
+      wait_full(s.KFull(stage), 0);
       WgmmaFence();
-      issue_pv(pf, last, w.num_tiles - 1);
+      issue_qk(acc, stage);
       WgmmaCommit();
-      pass_turn();
+      WgmmaWait<0>();
+      PinRegisters(acc);
+      if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kFirstSClock);
+      release(s.KEmpty(stage));
+      done_with_q(0);
+      float alpha[2];
+      mask(acc, 0);
+      update(softmax, acc, alpha);  // O is still 0: nothing to rescale
+      ScoresToA(acc, pf);
+    }
+    // Tile t's S GEMM and tile t - 1's P V GEMM back to back, tile t's softmax under the P V.
+    // kLeanTiles: tile t - 1's factor for O, applied once tile t's S GEMM is issued (before
+    // the P V GEMM that adds to O), as FA3 does: the 64 multiplies run under that GEMM instead
+    // of between the last P V's end and the next S's issue. After tile 0, O is 0: 1.
+    float pending_alpha[2] = {1.f, 1.f};
+    for (int t = 1; t < w.num_tiles; ++t) {
+      const int stage = stage_of(t), prev = stage_of(t - 1);
+      float acc[kNTiles][4] = {};
+      wait_full(s.KFull(stage), t);
+      WgmmaFence();
+      issue_qk(acc, stage);
+      WgmmaCommit();
+      if constexpr (T::kLeanTiles) {
+        rescale(pending_alpha);
+        PinRegisters(o);  // before the P V GEMM's fence
+      }
+      wait_full(s.VFull(prev), t - 1);
+      WgmmaFence();
+      IssuePv<T, kPSteps>(o, pf, s.V(prev));  // (never the work's last tile)
+      WgmmaCommit();
+      WgmmaWait<1>();  // S of tile t is ready; P V of tile t - 1 still runs
+      PinRegisters(acc);
+      release(s.KEmpty(stage));
+      done_with_q(t);
+      float alpha[2];
+      mask(acc, t);
+      update(softmax, acc, alpha);
       WgmmaWait<0>();
       PinRegisters(o);
-      if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kLoopEndClock);
-      release(s.VEmpty(last));
-    } else {
-      for (int t = 0; t < w.num_tiles; ++t) {
-        const int stage = stage_of(t);
-        float acc[kNTiles][4] = {};
-        wait_full(s.KFull(stage), t);
-        take_turn();
-        WgmmaFence();
-        issue_qk(acc, stage);
-        WgmmaCommit();
-        pass_turn();
-        WgmmaWait<0>();
-        PinRegisters(acc);
-        release(s.KEmpty(stage));
-        done_with_q(t);
-        float alpha[2];
-        mask(acc, t);
-        update(softmax, acc, alpha);
-        ScoresToA(acc, pf);
+      PinRegisters(pf);  // the GEMM read pf until here
+      release(s.VEmpty(prev));
+      // P is packed only now, into the registers the finished GEMM read: written while it
+      // ran, the compiler would serialize every wgmma.
+      ScoresToA(acc, pf);
+      if constexpr (T::kLeanTiles) {
+        pending_alpha[0] = alpha[0];
+        pending_alpha[1] = alpha[1];
+      } else {
         rescale(alpha);
-        wait_full(s.VFull(stage), t);
-        take_turn();
-        WgmmaFence();
-        issue_pv(pf, stage, t);
-        WgmmaCommit();
-        pass_turn();
-        WgmmaWait<0>();
-        PinRegisters(o);
-        release(s.VEmpty(stage));
+        PinRegisters(o);  // the rescale stays before the next GEMMs are issued
       }
+      PinRegisters(pf);
     }
+    if constexpr (T::kLeanTiles) rescale(pending_alpha);
+    const int last = stage_of(w.num_tiles - 1);
+    wait_full(s.VFull(last), w.num_tiles - 1);
+    WgmmaFence();
+    issue_pv(pf, last, w.num_tiles - 1);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    PinRegisters(o);
+    if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kLoopEndClock);
+    release(s.VEmpty(last));
   }
-  // Warpgroup 1 passed the turn once more than warpgroup 0 took it: take that one, so no
-  // named barrier is left half-arrived.
-  if (T::kPingPong && cwg == 0) take_turn();
 
   const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, w.kv_head * w.group);
   const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
@@ -705,73 +586,19 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   }
 }
 
-// A persistent CTA's rounds (PersistentWorkIndex). The producer makes each round's Work,
-// publishes it in the next work slot (a Work with num_tiles -1 ends the consumers' rounds) and
-// copies its tiles; the consumers take the Works from the slots in turn.
-template <typename T>
-__device__ __forceinline__ void RunPersistent(const GqaParams& p, const WorkItem* items,
-                                              int num_items, RowSink sink, const Smem<T>& s,
-                                              unsigned char* base) {
-  const int tid = threadIdx.x;
-  const int num_works = num_items * p.cache.num_kv_heads;
-  auto slot = [&](int k) {
-    return reinterpret_cast<Work*>(base + s.WorkSlotOffset(k % kWorkSlots));
-  };
-  auto parity = [](int k) { return (k / kWorkSlots) & 1; };
-  if (tid < 128) {
-    ReleaseRegisters<T::kProducerRegisters>();
-    Work w{};
-    for (int k = 0;; ++k) {
-      const int index = PersistentWorkIndex(k);
-      if (index < num_works) w = MakeWork<T>(p, items, index, w);
-      BarrierWait(s.WorkEmpty(k % kWorkSlots), parity(k) ^ 1);
-      if (tid == 0) {
-        Work published = w;
-        if (index >= num_works) published.num_tiles = -1;
-        *slot(k) = published;
-        BarrierArrive(s.WorkFull(k % kWorkSlots));
-      }
-      if (index >= num_works) break;
-      Produce<T>(p, w, s, nullptr, tid);
-    }
-    WaitAllCopies();
-  } else {
-    ClaimRegisters<T::kConsumerRegisters>();
-    const int ctid = tid - 128;
-    for (int k = 0;; ++k) {
-      BarrierWait(s.WorkFull(k % kWorkSlots), parity(k));
-      const Work w = *slot(k);
-      __syncwarp();
-      if (ctid % 32 == 0) BarrierArrive(s.WorkEmpty(k % kWorkSlots));  // one per consumer warp
-      if (w.num_tiles < 0) break;
-      if (ctid == 0) {
-        Stamp<T>(w.index, PhaseSlot::kStartNs, GlobalTimerNs());
-        Stamp<T>(w.index, PhaseSlot::kStartClock);
-      }
-      Consume<T>(p, w, s, ctid, sink);
-    }
-  }
-}
-
 // A CTA of either kernel below; kv_map: the cache's tensor map (kTmaKv), else null.
 template <typename T>
 __device__ __forceinline__ void RunCta(const GqaParams& p, const WorkItem* __restrict__ items,
-                                       int num_items, RowSink sink, const CUtensorMap* kv_map) {
+                                       RowSink sink, const CUtensorMap* kv_map) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const Smem<T> s{(SharedAddress(smem) + 1023u) & ~1023u};
 
   const int tid = threadIdx.x;
   if (tid == 0) {
-    if constexpr (!T::kPersistent) {  // (a persistent CTA's works start in RunPersistent)
-      Stamp<T>(blockIdx.x, PhaseSlot::kStartNs, GlobalTimerNs());
-      Stamp<T>(blockIdx.x, PhaseSlot::kStartClock);
-    }
+    Stamp<T>(blockIdx.x, PhaseSlot::kStartNs, GlobalTimerNs());
+    Stamp<T>(blockIdx.x, PhaseSlot::kStartClock);
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
     BarrierInit(s.QEmpty(), 8);   // one arrival per consumer warp
-    for (int i = 0; i < kWorkSlots; ++i) {
-      BarrierInit(s.WorkFull(i), 1);   // the producer's lane 0
-      BarrierInit(s.WorkEmpty(i), 8);  // one arrival per consumer warp
-    }
     // Full: the copies of the 128 producer lanes; with kTmaKv one arrival per producer warp (with
     // its TMA boxes' bytes, or once its lanes' copies of a copied tile have landed).
     const uint32_t full_arrivals = T::kTmaKv ? 4 : 128;
@@ -784,33 +611,27 @@ __device__ __forceinline__ void RunCta(const GqaParams& p, const WorkItem* __res
   }
   __syncthreads();
 
-  if constexpr (T::kPersistent) {
-    RunPersistent<T>(p, items, num_items, sink, s,
-                     reinterpret_cast<unsigned char*>(smem) + (s.base - SharedAddress(smem)));
+  if (tid < 128) {
+    ReleaseRegisters<T::kProducerRegisters>();
+    Produce<T>(p, MakeWork<T>(p, items, blockIdx.x), s, kv_map, tid);
+    WaitAllCopies();
   } else {
-    if (tid < 128) {
-      ReleaseRegisters<T::kProducerRegisters>();
-      Produce<T>(p, MakeWork<T>(p, items, blockIdx.x, Work{}), s, kv_map, tid);
-      WaitAllCopies();
-    } else {
-      ClaimRegisters<T::kConsumerRegisters>();
-      Consume<T>(p, MakeWork<T>(p, items, blockIdx.x, Work{}), s, tid - 128, sink);
-    }
+    ClaimRegisters<T::kConsumerRegisters>();
+    Consume<T>(p, MakeWork<T>(p, items, blockIdx.x), s, tid - 128, sink);
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, int num_items,
-                         RowSink sink) {
-  RunCta<T>(p, items, num_items, sink, nullptr);
+    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+  RunCta<T>(p, items, sink, nullptr);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    GqaPrefillSm90TmaKernel(const GqaParams p, const WorkItem* __restrict__ items, int num_items,
-                            RowSink sink, const __grid_constant__ CUtensorMap kv_map) {
-  RunCta<T>(p, items, num_items, sink, &kv_map);
+    GqaPrefillSm90TmaKernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink,
+                            const __grid_constant__ CUtensorMap kv_map) {
+  RunCta<T>(p, items, sink, &kv_map);
 }
 
 // The cache as a 3-D TMA tensor map: (the columns of all KV heads of a token, the slots of a page,
@@ -866,23 +687,13 @@ struct Config {
     }
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink = RowSink::ForGqa(p, plan);
-    dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
-    if constexpr (T::kPersistent) {
-      // One wave, one CTA per SM: __launch_bounds__(kThreads, 1) and the register pool that
-      // setmaxnreg splits leave no room for a second.
-      int device = 0, sms = 0;
-      ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-      ATTN_CUDA_RETURN_IF_ERROR(
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      grid.x = min(grid.x, static_cast<unsigned>(sms));
-    }
+    const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
     if constexpr (T::kTmaKv) {
       CUtensorMap kv_map{};
       ATTN_CUDA_RETURN_IF_ERROR(EncodeGqaKvMap<T>(p.cache, &kv_map));
-      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, plan.num_items, sink,
-                                                         kv_map);
+      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map);
     } else {
-      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, plan.num_items, sink);
+      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
     }
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
@@ -897,48 +708,18 @@ struct Config {
   }
 };
 
-// Key tiles: 128 keys for head_dim 64 and 128 (Q + two stages of K and V: 80 / 160 KiB); 64 for
-// head_dim 256 (192 KiB), whose O takes 128 registers per lane. A third stage fits head_dim 64
-// and 128 only (224 KiB at 128); head_dim 256 keeps two.
-template <int kHeadDim, bool kOverlap, bool kPingPong, bool kLeanCopies, bool kPersistent = false,
-          int kStages = 2, bool kTmaKv = false, bool kLeanTiles = false>
-using TraitsFor = Traits<kHeadDim, kHeadDim == 256 ? 64 : 128, kOverlap, kPingPong, kLeanCopies,
-                         kPersistent, kHeadDim == 256 ? 2 : kStages, false, kTmaKv, kLeanTiles>;
-
+// The variants (kernels/cuda/api.h) by head_dim.
 template <int kHeadDim, typename Fn>
 cudaError_t WithVariant(int variant, Fn&& fn) {
   switch (variant) {
-    case kGqaPrefillSm90Serial:
-      return fn(Config<TraitsFor<kHeadDim, false, false, false>>());
-    case kGqaPrefillSm90Overlap:
-      return fn(Config<TraitsFor<kHeadDim, true, true, false>>());
-    case kGqaPrefillSm90LeanSerial:
-      return fn(Config<TraitsFor<kHeadDim, false, false, true>>());
-    case kGqaPrefillSm90LeanOverlap:
-      return fn(Config<TraitsFor<kHeadDim, true, true, true>>());
-    case kGqaPrefillSm90LeanSerialPersistent:  // (the overlap schedule spills when persistent)
-      return fn(Config<TraitsFor<kHeadDim, false, false, true, true>>());
-    case kGqaPrefillSm90LeanOverlap3:
-      return fn(Config<TraitsFor<kHeadDim, true, true, true, false, 3>>());
     case kGqaPrefillSm90LeanOverlapSolo3:
-      return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3>>());
+      return fn(Config<Traits<kHeadDim, false, false>>());
     case kGqaPrefillSm90Solo3Tma:
-      return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3, true>>());
+      return fn(Config<Traits<kHeadDim, true, false>>());
     case kGqaPrefillSm90Solo3TmaLeanTiles:
-      return fn(Config<TraitsFor<kHeadDim, true, false, true, false, 3, true, true>>());
-    // Instruments rather than candidates (bench/RESULTS.md), built for head_dim 128 alone.
-    case kGqaPrefillSm90Solo3Persistent:
-    case kGqaPrefillSm90Solo3Stamped:
-    case kGqaPrefillSm90Solo3PersistentStamped:
-      if constexpr (kHeadDim == 128) {
-        if (variant == kGqaPrefillSm90Solo3Persistent) {
-          return fn(Config<Traits<128, 128, true, false, true, true, 3>>());
-        }
-        if (variant == kGqaPrefillSm90Solo3Stamped) {
-          return fn(Config<Traits<128, 128, true, false, true, false, 3, true>>());
-        }
-        return fn(Config<Traits<128, 128, true, false, true, true, 3, true>>());
-      }
+      return fn(Config<Traits<kHeadDim, true, true>>());
+    case kGqaPrefillSm90Stamped:  // an instrument, built for head_dim 128 alone
+      if constexpr (kHeadDim == 128) return fn(Config<Traits<128, true, true, true>>());
       return cudaErrorInvalidValue;
     default:
       return cudaErrorInvalidValue;
