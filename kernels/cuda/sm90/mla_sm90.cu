@@ -1357,29 +1357,24 @@ struct Config {
         int64_t{p.cache.num_layers} * p.cache.num_pages * p.cache.page_size <= INT32_MAX;
     if (use_tma) ATTN_CUDA_RETURN_IF_ERROR(EncodeKvMap(p.cache, &kv_map));
     const bool clustered = plan.cluster_splits > 1;
-    if (clustered) {
-      if (!T::kClusterMerge || plan.cluster_splits > kMaxClusterSplits ||
-          plan.num_items % plan.cluster_splits != 0) {
-        return cudaErrorInvalidValue;
-      }
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = static_cast<unsigned>(plan.cluster_splits);
-      cluster.val.clusterDim.y = 1;
-      cluster.val.clusterDim.z = 1;
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(plan.num_items);
-      config.blockDim = dim3(T::kThreads);
-      config.dynamicSmemBytes = T::kSmemBytes;
-      config.stream = stream;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      ATTN_CUDA_RETURN_IF_ERROR(
-          cudaLaunchKernelEx(&config, kKernel, p, plan.items, sink, kv_map, use_tma, true));
-    } else {
-      kKernel<<<plan.num_items, T::kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map,
-                                                                      use_tma, false);
+    if (clustered && (!T::kClusterMerge || plan.cluster_splits > kMaxClusterSplits ||
+                      plan.num_items % plan.cluster_splits != 0)) {
+      return cudaErrorInvalidValue;
     }
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(plan.num_items);
+    config.blockDim = dim3(T::kThreads);
+    config.dynamicSmemBytes = T::kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute cluster{};  // the plan's chunk groups, where it has them
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned>(plan.cluster_splits);
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = clustered ? 1 : 0;
+    ATTN_CUDA_RETURN_IF_ERROR(
+        cudaLaunchKernelEx(&config, kKernel, p, plan.items, sink, kv_map, use_tma, clustered));
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
   }
