@@ -99,6 +99,11 @@ inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two tak
 // (kMlaSm90Narrow16Cluster) or 32 heads (kMlaSm90Narrow32Cluster).
 inline constexpr int kMlaSm90Narrow16Cluster = 22;
 inline constexpr int kMlaSm90Narrow32Cluster = 23;
+// Trials: 18 and 22 with each key tile brought into L2 two or three tiles before its copies.
+inline constexpr int kMlaSm90LateRightTmaPrefetch2 = 28;
+inline constexpr int kMlaSm90LateRightTmaPrefetch3 = 29;
+inline constexpr int kMlaSm90Narrow16ClusterPrefetch2 = 30;
+inline constexpr int kMlaSm90Narrow16ClusterPrefetch3 = 31;
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of
 // kPhaseStampSlots words per work (item index * KV heads + KV head: one CTA), each slot a

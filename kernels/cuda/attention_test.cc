@@ -183,7 +183,11 @@ std::vector<int> MlaVariants(int num_heads) {
                                  cuda::kMlaSm90SplitSTma,      cuda::kMlaSm90SeesawTma,
                                  cuda::kMlaSm90Narrow16,       cuda::kMlaSm90Narrow32,
                                  cuda::kMlaSm90LateRightTma,   cuda::kMlaSm90Narrow16Cluster,
-                                 cuda::kMlaSm90Narrow32Cluster};
+                                 cuda::kMlaSm90Narrow32Cluster,
+                                 cuda::kMlaSm90LateRightTmaPrefetch2,
+                                 cuda::kMlaSm90LateRightTmaPrefetch3,
+                                 cuda::kMlaSm90Narrow16ClusterPrefetch2,
+                                 cuda::kMlaSm90Narrow16ClusterPrefetch3};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) candidates = ParseList(list);
   return AcceptedVariants(
       candidates, [&](cuda::KernelTiling* t) { return cuda::GetMlaTiling(num_heads, false, t); });

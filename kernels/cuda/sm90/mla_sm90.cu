@@ -80,7 +80,7 @@ constexpr int kSumsBarrier = 4;    // each warpgroup's final row sums are in sha
 // One kernel instance: the key tile, the ring's depth, how S accumulates and which consumer
 // schedule runs (kSeesaw: ConsumeSeesawA/B; otherwise ConsumeScores/ConsumeSecond).
 template <int kBlockN_, int kStages_, bool kSplitS_, bool kSeesaw_ = false, bool kTma_ = false,
-          bool kLateRight_ = false>
+          bool kLateRight_ = false, int kPrefetchTiles_ = 0>
 struct Traits {
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
@@ -109,6 +109,9 @@ struct Traits {
   // halves, the score warpgroup's (V's left columns and the rope block) after its P V and the rest
   // after warpgroup 2's, and S reads the blocks in the order they are refilled: 0-3, 8, 4-7.
   static constexpr bool kLateRight = kLateRight_;
+  // Key tile t + kPrefetchTiles brought into L2 while the producer waits to issue tile t's copies
+  // (Produce), so that those copies find it there: 0 for none.
+  static constexpr int kPrefetchTiles = kPrefetchTiles_;
   static_assert(!(kSeesaw && kLateRight), "two different consumer schedules");
   static_assert(!kSeesaw || (kStages == 2 && kBlockN == 64 && !kSplitS),
                 "the seesaw pairs tiles over two stages; Q's rope block fragments and P are 64 "
@@ -233,8 +236,37 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   };
   Lookup current;
   lookup(0, current);
+  // kPrefetchTiles: lane i < kBlockN takes row i of tile t + kPrefetchTiles where a run of the
+  // tile's rows within one page starts (every row at page size 1, the tile's first alone where a
+  // page holds it): one L2 prefetch for the run. Its page id is read an iteration before.
+  struct PrefetchRun {
+    int32_t page_id;
+    int slot;
+    int rows;  // 0: nothing for this lane
+  };
+  auto prefetch_run = [&](int t) {
+    PrefetchRun r{0, 0, 0};
+    const int key0 = w.item.kv_begin + t * kBlockN;
+    const int key = key0 + tid;
+    const int end = min(key0 + kBlockN, w.item.kv_end);
+    if (T::kPrefetchTiles == 0 || tid >= kBlockN || t >= w.num_tiles || key >= end) return r;
+    int page;
+    rows.PageSlot(key, &page, &r.slot);
+    if (r.slot != 0 && key != key0) return r;
+    r.rows = min(page_size - r.slot, end - key);
+    r.page_id = rows.pages[page];
+    return r;
+  };
+  PrefetchRun prefetch = prefetch_run(T::kPrefetchTiles);
   for (int t = 0; t < w.num_tiles; ++t) {
     const int stage = t % T::kStages;
+    if constexpr (T::kPrefetchTiles > 0) {
+      if (prefetch.rows > 0) {
+        PrefetchL2(rows.base + rows.OffsetIn(prefetch.page_id, prefetch.slot),
+                   prefetch.rows * kMlaTokenDim * 2);
+      }
+      prefetch = prefetch_run(t + 1 + T::kPrefetchTiles);
+    }
     Lookup next;
     lookup(t + 1, next);  // the page-table reads fly while this tile is issued
     const uint32_t empty_parity = ((t / T::kStages) & 1) ^ 1;
@@ -910,7 +942,7 @@ __device__ __forceinline__ void ConsumeSeesawB(const MlaParams& p, const Work& w
 // waiting for the one before, took 88 us in the kernel and gained nothing.
 constexpr int kMaxClusterSplits = 8;  // the largest portable cluster
 
-template <int kN_, bool kClusterMerge_ = false>
+template <int kN_, bool kClusterMerge_ = false, int kPrefetchTiles_ = 0>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
   static constexpr bool kClusterMerge = kClusterMerge_;
@@ -923,6 +955,7 @@ struct NarrowTraits {
   static constexpr int kStages = 2;
   static constexpr bool kSeesaw = false;
   static constexpr bool kLateRight = false;
+  static constexpr int kPrefetchTiles = kPrefetchTiles_;  // as Traits'
   // cp.async, not TMA, at every page size: 1.5-1.8 us faster at 16 heads on the H200 (93.4 against
   // 95.0 us, bench/RESULTS.md).
   static constexpr bool kTma = false;
@@ -1431,6 +1464,14 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<16, true>>());
     case kMlaSm90Narrow32Cluster:
       return fn(Config<NarrowTraits<32, true>>());
+    case kMlaSm90LateRightTmaPrefetch2:
+      return fn(Config<Traits<64, 2, true, false, true, true, 2>>());
+    case kMlaSm90LateRightTmaPrefetch3:
+      return fn(Config<Traits<64, 2, true, false, true, true, 3>>());
+    case kMlaSm90Narrow16ClusterPrefetch2:
+      return fn(Config<NarrowTraits<16, true, 2>>());
+    case kMlaSm90Narrow16ClusterPrefetch3:
+      return fn(Config<NarrowTraits<16, true, 3>>());
     default:
       return cudaErrorInvalidValue;
   }
