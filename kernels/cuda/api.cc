@@ -54,8 +54,6 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
   return cudaSuccess;
 }
 
-bool IsSm90Mla(int variant) { return variant >= kMlaSm90; }
-
 // The Hopper MLA variant the default selects: S in two chains with TMA key tiles at page sizes
 // that are multiples of 64 (elsewhere cp.async), the second consumer's P V issued once the
 // first's is done. Beside 13 (the same without the late right half) in one H200 run: the 16-head
@@ -78,16 +76,16 @@ int DefaultSm90Mla(int num_heads, bool decode) {
 cudaError_t ResolveMlaVariant(int num_heads, bool decode, int* variant) {
   bool sm90 = false;
 #ifdef ATTN_HAVE_SM90
-  if (*variant < 0 || IsSm90Mla(*variant)) ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(&sm90));
+  if (*variant < 0 || IsMlaSm90Variant(*variant)) ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(&sm90));
 #endif
-  if (IsSm90Mla(*variant) && !sm90) return cudaErrorNotSupported;
+  if (IsMlaSm90Variant(*variant) && !sm90) return cudaErrorNotSupported;
   if (*variant < 0) *variant = sm90 ? DefaultSm90Mla(num_heads, decode) : kMlaPortable;
   return cudaSuccess;
 }
 
 cudaError_t LaunchMlaVariant(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream) {
 #ifdef ATTN_HAVE_SM90
-  if (IsSm90Mla(plan.variant)) return LaunchMlaSm90(p, plan, stream, plan.variant);
+  if (IsMlaSm90Variant(plan.variant)) return LaunchMlaSm90(p, plan, stream, plan.variant);
 #endif
   return LaunchMla(p, plan, stream);
 }
@@ -117,7 +115,7 @@ cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling) {
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
   ATTN_CUDA_RETURN_IF_ERROR(ResolveMlaVariant(num_heads, decode, &tiling->variant));
 #ifdef ATTN_HAVE_SM90
-  if (IsSm90Mla(tiling->variant)) {
+  if (IsMlaSm90Variant(tiling->variant)) {
     return MlaSm90Tiling(tiling->variant, num_heads, decode, tiling);
   }
 #endif

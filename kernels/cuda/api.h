@@ -76,34 +76,33 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
-// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma where they run
-// (kernels/cuda/sm90/mla_sm90.cu).
+// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma, kMlaSm90Narrow16Cluster
+// or kMlaSm90Narrow32Cluster where they run (kernels/cuda/sm90/mla_sm90.cu). The numbers are those
+// the variants were measured under; the schedules they beat on the H200 (10-14, 16, 17) are gone,
+// and bench/RESULTS.md records each.
 inline constexpr int kMlaPortable = 0;
-inline constexpr int kMlaSm90 = 10;        // 64-key tiles, two stages
-inline constexpr int kMlaSm90SplitS = 11;  // the same, S in two chains of k-steps
-inline constexpr int kMlaSm90Seesaw = 12;  // both consumers compute S, for alternate tiles
-// 11 and 12 with whole key tiles by TMA where the page size is a multiple of 64 (elsewhere the
-// same as 11 and 12).
-inline constexpr int kMlaSm90SplitSTma = 13;
-inline constexpr int kMlaSm90SeesawTma = 14;
-// 13 with the second consumer's P V deferred until the first's is done (beside the end of the next
-// S and under the softmax after it) and each stage released by halves.
+// 64-row tiles: S in two chains of k-steps, whole 64-key tiles by TMA where the page size is a
+// multiple of 64 (elsewhere cp.async), the second consumer's P V deferred until the first's is
+// done (beside the end of the next S and under the softmax after it), each stage released by
+// halves.
 inline constexpr int kMlaSm90LateRightTma = 18;
 // Transposed for few heads: keys and output columns as wgmma's M, 16 or 32 heads (packed rows) as
-// its N, so a decode of 8-32 heads does no tensor work on padding rows.
-inline constexpr int kMlaSm90Narrow16 = 16;
-inline constexpr int kMlaSm90Narrow32 = 17;
-inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
-// The same, a split decode's chunks of a row tile run as one cluster that merges them in
-// distributed shared memory instead of a merge kernel: the default for decodes of at most 16
-// (kMlaSm90Narrow16Cluster) or 32 heads (kMlaSm90Narrow32Cluster).
+// its N, so a decode of 8-32 heads does no tensor work on padding rows; a split decode's chunks
+// of a row tile run as one cluster that merges them in distributed shared memory instead of a
+// merge kernel.
 inline constexpr int kMlaSm90Narrow16Cluster = 22;
 inline constexpr int kMlaSm90Narrow32Cluster = 23;
+inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
 // Trials: 18 and 22 with each key tile brought into L2 two or three tiles before its copies.
 inline constexpr int kMlaSm90LateRightTmaPrefetch2 = 28;
 inline constexpr int kMlaSm90LateRightTmaPrefetch3 = 29;
 inline constexpr int kMlaSm90Narrow16ClusterPrefetch2 = 30;
 inline constexpr int kMlaSm90Narrow16ClusterPrefetch3 = 31;
+inline constexpr bool IsMlaSm90Variant(int v) {
+  return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16Cluster ||
+         v == kMlaSm90Narrow32Cluster ||
+         (v >= kMlaSm90LateRightTmaPrefetch2 && v <= kMlaSm90Narrow16ClusterPrefetch3);
+}
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of
 // kPhaseStampSlots words per work (item index * KV heads + KV head: one CTA), each slot a

@@ -175,20 +175,25 @@ std::vector<int> DecodeVariants(int head_dim) {
 }
 
 // The MLA kernels every run checks on a geometry of num_heads: the portable one and the sm_90a
-// ones where they run and take that many heads, or those ATTN_TEST_MLA_VARIANTS lists ("0,10": to
-// bisect a failing variant on the GPU).
+// ones where they run and take that many heads, or those ATTN_TEST_MLA_VARIANTS lists ("0,18": to
+// bisect a failing variant on the GPU). A listed number that names no variant fails the test, as
+// in CheckedPrefillVariants.
 std::vector<int> MlaVariants(int num_heads) {
-  std::vector<int> candidates = {cuda::kMlaPortable,           cuda::kMlaSm90,
-                                 cuda::kMlaSm90SplitS,         cuda::kMlaSm90Seesaw,
-                                 cuda::kMlaSm90SplitSTma,      cuda::kMlaSm90SeesawTma,
-                                 cuda::kMlaSm90Narrow16,       cuda::kMlaSm90Narrow32,
-                                 cuda::kMlaSm90LateRightTma,   cuda::kMlaSm90Narrow16Cluster,
+  std::vector<int> candidates = {cuda::kMlaPortable,
+                                 cuda::kMlaSm90LateRightTma,
+                                 cuda::kMlaSm90Narrow16Cluster,
                                  cuda::kMlaSm90Narrow32Cluster,
                                  cuda::kMlaSm90LateRightTmaPrefetch2,
                                  cuda::kMlaSm90LateRightTmaPrefetch3,
                                  cuda::kMlaSm90Narrow16ClusterPrefetch2,
                                  cuda::kMlaSm90Narrow16ClusterPrefetch3};
-  if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) candidates = ParseList(list);
+  if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
+    candidates = ParseList(list);
+    for (int v : candidates) {
+      EXPECT_TRUE(v == -1 || v == cuda::kMlaPortable || cuda::IsMlaSm90Variant(v))
+          << "ATTN_TEST_MLA_VARIANTS names " << v << ", no MLA variant of kernels/cuda/api.h";
+    }
+  }
   return AcceptedVariants(
       candidates, [&](cuda::KernelTiling* t) { return cuda::GetMlaTiling(num_heads, false, t); });
 }

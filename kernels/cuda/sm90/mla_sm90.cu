@@ -18,22 +18,21 @@
 //     accumulates P V[:, 256:512] with P from shared memory.
 //   Each 64 x 256 float accumulator takes 128 registers per lane. P V of tile t is issued before
 //   S of tile t + 1, so tile t's stage is refilled while S of tile t + 1 and its softmax run.
-// Split variant (kSplitS): S accumulates even and odd k-steps into two accumulators, two
-// independent chains of 18 wgmmas instead of one of 36, added once the GEMM is done.
-// Late right half (kLateRight, the default with kSplitS and kTma): warpgroup 2's P V of tile t
-// waits until the score warpgroup's is done, so that it runs beside the end of S of tile t + 1
-// and fills the tensor cores during the softmax after it, rather than slowing all of S down;
-// stages are released by halves so that the refill starts as early as before.
-// Seesaw variant (kSeesaw, ConsumeSeesawA/B below): both consumers compute S, for alternate
-// tiles. TMA option (kTma, part of the default): whole tiles by TMA where the page size allows.
-// The seesaw is measured and not the default (bench/RESULTS.md): it holds each pair's second tile
-// until the pair's end, so with two stages its next S waits for copies that could only start then.
-// Measured and dropped (bench/RESULTS.md): 32-key tiles in four stages (deeper prefetch, but the
-// narrower S reads Q twice as often), and cluster pairs that copied each tile from L2 once for
-// both halves of a 128-head decode: both slower. The pairs again with TMA multicast (one hop,
-// each CTA issuing every other column block to both, a stage refilled once both CTAs released
-// it): 128 heads 291.5 -> 320.1 us, the prefill 1030 -> 1073 us; the halved L2 reads do not pay
-// for the two CTAs waiting on each other's releases.
+//   S accumulates even and odd k-steps into two accumulators, two independent chains of 18
+//   wgmmas instead of one of 36, added once the GEMM is done. The right half comes late:
+//   warpgroup 2's P V of tile t waits until the score warpgroup's is done, so that it runs beside
+//   the end of S of tile t + 1 and fills the tensor cores during the softmax after it, rather than
+//   slowing all of S down; stages are released by halves so that the refill starts as early as
+//   before. Whole key tiles come by TMA where the page size allows.
+// Measured and dropped (bench/RESULTS.md has each with its numbers, git's history the code): one
+// chain of S k-steps; the right half's P V beside all of S; FlashMLA's seesaw (both consumers
+// compute S, for alternate tiles: it holds each pair's second tile until the pair's end, so with
+// two stages its next S waits for copies that could only start then); 32-key tiles in four
+// stages (deeper prefetch, but the narrower S reads Q twice as often); cluster pairs that copied
+// each tile from L2 once for both halves of a 128-head decode, and the pairs again with TMA
+// multicast (one hop, each CTA issuing every other column block to both, a stage refilled once
+// both CTAs released it: 128 heads 291.5 -> 320.1 us, the prefill 1030 -> 1073 us; the halved L2
+// reads do not pay for the two CTAs waiting on each other's releases).
 // Narrow variant (NarrowTraits, ConsumeNarrow below): for decodes of few heads, a transposed
 // kernel of two warpgroups whose GEMMs take the heads as their N side.
 // Rows past kv_end in a tile copy the range's last key again (real, finite data the mask hides;
@@ -70,17 +69,10 @@ constexpr int kRowsPerPass = 128 / 8;             // 8 producer lanes per row
 constexpr int kPFullBarrier = 1;   // P and the rescale factors of a tile are in shared memory
 constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
-constexpr int kLeftDoneBarrier = 4;  // kLateRight: the score warpgroup's P V of a tile is done
-// The seesaw schedule's (ConsumeSeesawA/B), one arrival and one wait per key-tile pair each.
-constexpr int kMaxABarrier = 1;    // the rows' maxima after tile a and P_a are in shared memory
-constexpr int kMaxBBarrier = 2;    // ... after tile b, and P_b
-constexpr int kPaFreeBarrier = 3;  // warpgroup B is done reading P_a
-constexpr int kSumsBarrier = 4;    // each warpgroup's final row sums are in shared memory
+constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is done
 
-// One kernel instance: the key tile, the ring's depth, how S accumulates and which consumer
-// schedule runs (kSeesaw: ConsumeSeesawA/B; otherwise ConsumeScores/ConsumeSecond).
-template <int kBlockN_, int kStages_, bool kSplitS_, bool kSeesaw_ = false, bool kTma_ = false,
-          bool kLateRight_ = false, int kPrefetchTiles_ = 0>
+// The 64-row kernel (ConsumeScores/ConsumeSecond), with kPrefetchTiles as Produce takes it.
+template <int kPrefetchTiles_ = 0>
 struct Traits {
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
@@ -94,34 +86,27 @@ struct Traits {
   static constexpr int kQBytes = kColumnBlocks * kQBlockBytes;  // 72 KiB
   static constexpr int kPBytes = kBlockM * 64 * 2;  // P, bf16, one column block (up to 64 keys)
   static constexpr int kRowFloats = 3 * kBlockM;    // per row: rescale factor, final max, final sum
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = kStages_;
-  static constexpr bool kSplitS = kSplitS_;
-  static constexpr bool kSeesaw = kSeesaw_;
+  static constexpr int kBlockN = 64;                // keys per tile
+  static constexpr int kStages = 2;
   // Key tiles that lie whole in one page and inside the item's range come by TMA (one thread,
   // 9 boxes of 64 rows x 128 bytes) where the page size is a multiple of 64; the rest by
   // cp.async (page size 1 puts every row on its own page; a range's last, partial tile copies
   // its last key into the rows past the range, never the slots themselves, which may hold NaN).
-  static constexpr bool kTma = kTma_;
+  static constexpr bool kTma = true;
   // Late right half (ConsumeScores/ConsumeSecond): warpgroup 2 issues P V[:, 256:512] of tile t
   // once the score warpgroup's P V of it is done, so that it runs beside the end of S of tile
   // t + 1 and under the softmax after it, rather than beside all of S. Each stage is released by
   // halves, the score warpgroup's (V's left columns and the rope block) after its P V and the rest
   // after warpgroup 2's, and S reads the blocks in the order they are refilled: 0-3, 8, 4-7.
-  static constexpr bool kLateRight = kLateRight_;
+  static constexpr bool kLateRight = true;
   // Key tile t + kPrefetchTiles brought into L2 while the producer waits to issue tile t's copies
   // (Produce), so that those copies find it there: 0 for none.
   static constexpr int kPrefetchTiles = kPrefetchTiles_;
-  static_assert(!(kSeesaw && kLateRight), "two different consumer schedules");
-  static_assert(!kSeesaw || (kStages == 2 && kBlockN == 64 && !kSplitS),
-                "the seesaw pairs tiles over two stages; Q's rope block fragments and P are 64 "
-                "keys wide");
-  // setmaxnreg's split (ptxas spills nothing at these): the seesaw consumers each hold a
-  // 64 x 256 accumulator, S, P and Q's rope block; the score warpgroup of the other schedule
-  // holds S twice (kSplitS) and its partner neither.
-  static constexpr int kProducerRegisters = kSeesaw ? 48 : 56;
-  static constexpr int kFirstRegisters = kSeesaw ? 232 : 240;
-  static constexpr int kSecondRegisters = kSeesaw ? 224 : 208;
+  // setmaxnreg's split (ptxas spills nothing at these): the score warpgroup holds S twice (two
+  // chains of k-steps) and its partner neither.
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kFirstRegisters = 240;
+  static constexpr int kSecondRegisters = 208;
   static constexpr int kPoolRegisters =
       128 * (kProducerRegisters + kFirstRegisters + kSecondRegisters);
   static_assert(kPoolRegisters <= kThreads * kLaunchRegisters);
@@ -131,10 +116,9 @@ struct Traits {
   static constexpr int kTileBytes = kColumnBlocks * kBlockBytes;
   static constexpr int kKvPasses = kBlockN / kRowsPerPass;
   // Q's, one per column block of each stage (S starts on a tile's first block while the others
-  // are in flight), and each stage's release (kSeesaw: of each half, V's left columns [0, 256)
-  // and the rest; kLateRight: V's left columns with the rope block, and the rest; different
-  // warpgroups finish with each).
-  static constexpr int kReleases = kSeesaw || kLateRight ? 2 : 1;
+  // are in flight), and each stage's release by halves: V's left columns with the rope block, and
+  // the rest (different warpgroups finish with each).
+  static constexpr int kReleases = 2;
   static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
   static constexpr int kSmemBytes =
@@ -144,8 +128,6 @@ struct Traits {
 
 // Shared-memory map: Q, the key stages, P, the row floats, then the mbarriers. Addresses for the
 // PTX instructions (32-bit shared window) and a generic pointer for ordinary loads and stores.
-// The seesaw schedule has two P tiles: P() is tile a's, and tile b's overlays Q's rope block
-// (column block 8), which its consumers keep in registers from the start (PbOverQ).
 template <typename T>
 struct Smem {
   uint32_t base;       // 1024-byte aligned
@@ -167,12 +149,6 @@ struct Smem {
   __device__ uint32_t KvEmpty(int stage, int half = 0) const {
     return Barrier(1 + T::kStages * kColumnBlocks + stage * T::kReleases + half);
   }
-  // The seesaw's.
-  __device__ uint32_t PbOverQ() const { return Q() + (kColumnBlocks - 1) * T::kQBlockBytes; }
-  __device__ unsigned char* PbPtr() const { return ptr + (PbOverQ() - base); }
-  __device__ const unsigned char* QRopePtr() const { return PbPtr(); }
-  __device__ float* RowMax() const { return Rows(); }                // [kBlockM]
-  __device__ float* RowSums() const { return Rows() + T::kBlockM; }  // [2][kBlockM]
 };
 
 struct Work {
@@ -315,22 +291,9 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
       copy_blocks(Rope(), All());
       BarrierWait(s.KvEmpty(stage, 1), empty_parity);
       copy_blocks(Half(), Rope());
-    } else if constexpr (!T::kSeesaw) {
+    } else {
       BarrierWait(s.KvEmpty(stage), empty_parity);
       copy_blocks(Zero(), All());
-    } else if (t % 2 == 0) {
-      // Tile a: warpgroup A releases V's left columns first (and reads them first).
-      BarrierWait(s.KvEmpty(stage, 0), empty_parity);
-      copy_blocks(Zero(), Half());
-      BarrierWait(s.KvEmpty(stage, 1), empty_parity);
-      copy_blocks(Half(), All());
-    } else {
-      // Tile b: warpgroup B releases the right half just before its S of this tile, which
-      // starts there (IssueScoresRopeInRegisters' rotation).
-      BarrierWait(s.KvEmpty(stage, 1), empty_parity);
-      copy_blocks(Half(), All());
-      BarrierWait(s.KvEmpty(stage, 0), empty_parity);
-      copy_blocks(Zero(), Half());
     }
 
     current = next;
@@ -350,8 +313,8 @@ __device__ __forceinline__ void Release(const Smem<T>& s, int t, int lane, int h
   if (lane == 0) BarrierArrive(s.KvEmpty(t % T::kStages, half));  // one arrival per consumer warp
 }
 
-// A 64 x 64 bf16 tile in one swizzled column block (Q's rope block, P) as mma A fragments: the
-// lane's word of row r, 8-column chunk c (k-step c / 2, half c % 2).
+// A 64 x 64 bf16 tile in one swizzled column block (P) as mma A fragments: the lane's word of row
+// r, 8-column chunk c (k-step c / 2, half c % 2).
 __device__ __forceinline__ uint32_t* FragmentWord(unsigned char* tile, int r, int c, int lane) {
   return reinterpret_cast<uint32_t*>(tile + r * 128 + ((c ^ (r & 7)) << 4) + (lane & 3) * 4);
 }
@@ -366,22 +329,6 @@ __device__ __forceinline__ void StoreFragments(unsigned char* tile, const uint32
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         *FragmentWord(tile, row_g + 8 * x, 2 * ks + h, lane) = a[ks][2 * h + x];
-    }
-  }
-}
-
-template <int kSteps>
-__device__ __forceinline__ void LoadFragments(const unsigned char* tile, uint32_t (&a)[kSteps][4],
-                                              int row_g, int lane) {
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-#pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        a[ks][2 * h + x] =
-            *FragmentWord(const_cast<unsigned char*>(tile), row_g + 8 * x, 2 * ks + h, lane);
-      }
     }
   }
 }
@@ -421,11 +368,8 @@ __device__ __forceinline__ uint64_t Opaque(uint64_t x) {
   return x;
 }
 
-// The column block S reads i-th: in order, or (kLateRight) in the order the producer refills a
-// stage's halves.
-template <typename T>
+// The column block S reads i-th: in the order the producer refills a stage's halves.
 __device__ __forceinline__ constexpr int BlockOfStep(int i) {
-  if constexpr (!T::kLateRight) return i;
   return i < kHalfCols / 64 ? i : i == kHalfCols / 64 ? kColumnBlocks - 1 : i - 1;
 }
 
@@ -441,48 +385,42 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
 
   float o[kDTiles][4] = {};
   float acc[T::kNTiles][4];
-  float acc_odd[T::kSplitS ? T::kNTiles : 1][4];  // kSplitS: the odd k-steps' share of S
+  float acc_odd[T::kNTiles][4];  // the odd k-steps' share of S
   uint32_t pf[T::kPSteps][4];
   float alpha[2];
   OnlineSoftmax<T::kNTiles> softmax;
 
-  // S = Q K^T: k-step ks reads column block ks / 4 of Q and of the key tile (kLateRight: block
-  // BlockOfStep(ks / 4)), each waited for just before its k-steps are issued. The k-steps'
-  // descriptors are the tile's first plus the step's offset (>> 4, the start address field's unit).
-  // Q's are the same every tile: hoisted out of the loop, all 36 of them would stay live (and
-  // spill), so the base is laundered through an opaque move each tile.
+  // S = Q K^T: k-step ks reads column block BlockOfStep(ks / 4) of Q and of the key tile, each
+  // waited for just before its k-steps are issued. The k-steps' descriptors are the tile's first
+  // plus the step's offset (>> 4, the start address field's unit). Q's are the same every tile:
+  // hoisted out of the loop, all 36 of them would stay live (and spill), so the base is laundered
+  // through an opaque move each tile.
   const uint64_t q_desc0 = KMajorDescriptor(s.Q());
   auto issue_qk = [&](int t) {
     const uint64_t q_desc = Opaque(q_desc0);
     const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
-      const int cb = BlockOfStep<T>(ks / 4);
+      const int cb = BlockOfStep(ks / 4);
       if (ks % 4 == 0) WaitFull(s, t, cb);
       const uint32_t in_block = (ks % 4) * 32;
       const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
       const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
-      if constexpr (T::kSplitS) {
-        if (ks % 2 == 0) {
-          Wgmma<kBlockN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
-        } else {
-          Wgmma<kBlockN>::SS(acc_odd, a, b, ks > 1 ? 1u : 0u);
-        }
-      } else {
+      if (ks % 2 == 0) {
         Wgmma<kBlockN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
+      } else {
+        Wgmma<kBlockN>::SS(acc_odd, a, b, ks > 1 ? 1u : 0u);
       }
     }
   };
-  // Once S's GEMM is done: its accumulators are the compiler's again, and (kSplitS) one.
+  // Once S's GEMM is done: its accumulators are the compiler's again, added into one.
   auto finish_qk = [&] {
     PinRegisters(acc);
-    if constexpr (T::kSplitS) {
-      PinRegisters(acc_odd);
+    PinRegisters(acc_odd);
 #pragma unroll
-      for (int j = 0; j < T::kNTiles; ++j) {
+    for (int j = 0; j < T::kNTiles; ++j) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[j][c] += acc_odd[j][c];
-      }
+      for (int c = 0; c < 4; ++c) acc[j][c] += acc_odd[j][c];
     }
   };
   auto softmax_tile = [&](int t) {
@@ -536,7 +474,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       PinRegisters(o);
       PinRegisters(pf);  // the GEMM read pf until here
       Release(s, t, lane);
-      if constexpr (kMore && T::kLateRight) NamedBarrierArrive(kLeftDoneBarrier, 256);
+      if constexpr (kMore) NamedBarrierArrive(kLeftDoneBarrier, 256);
       if constexpr (kMore) {
         WgmmaWait<0>();
         finish_qk();
@@ -580,7 +518,7 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
       RescaleAccumulator(o, alpha);
       // The score warpgroup signals its P V of tile t wherever S of tile t + 1 follows it.
-      if (T::kLateRight && t + 1 < w.num_tiles) NamedBarrierSync(kLeftDoneBarrier, 256);
+      if (t + 1 < w.num_tiles) NamedBarrierSync(kLeftDoneBarrier, 256);
       WgmmaFence();
 #pragma unroll
       for (int ks = 0; ks < T::kPSteps; ++ks) {
@@ -590,7 +528,7 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
       WgmmaCommit();
       WgmmaWait<0>();
       PinRegisters(o);
-      Release(s, t, lane, T::kLateRight ? 1 : 0);
+      Release(s, t, lane, 1);
       // The last tile's P is not refilled: the arrivals match the score warpgroup's waits.
       if (t + 1 < w.num_tiles) NamedBarrierArrive(kPEmptyBarrier, 256);
     }
@@ -601,311 +539,6 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
   const float sums[2] = {s.FinalSum()[row_g], s.FinalSum()[row_g + 8]};
   const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kHalfCols, lane, false);
-}
-
-// ---- The seesaw schedule (FlashMLA's idea, bench/RESULTS.md): key tiles in pairs, a = 2 i
-// (stage 0) and b = 2 i + 1 (stage 1). Warpgroup A computes S of tile a and owns O[:, 0:256];
-// warpgroup B computes S of tile b and owns O[:, 256:512]. The rows' running maximum lives in
-// shared memory: A folds tile a's maxima into it, then B tile b's. Per pair:
-//   A: softmax of S_a, P_a to shared memory     B: (its S_b GEMM finishing)
-//   A: O_L += P_a V_aL                          B: O_R to a's maxima, O_R += P_a V_aR, and under
-//                                                  that GEMM the softmax of S_b, P_b to shared
-//                                                  memory
-//   A: O_L to b's maxima, O_L += P_b V_bL,      B: O_R to b's maxima, O_R += P_b V_bR,
-//      S of tile a + 2                             S of tile b + 2
-// so each warpgroup's softmax runs while GEMMs keep the tensor cores busy. Each keeps its share
-// of the row sums (its own tiles' p), added once at the end. Both S GEMMs take Q's rope block
-// (k-steps 32-35) from registers: the freed shared memory holds P_b. Stage halves are released
-// by the warpgroup that reads them last (A: V's left columns; B: the rest), so the next tile's
-// left half is copied while B still reads the right one.
-
-// S = Q K^T of tile t: column blocks [kFirst, kEnd) of the order that starts at block kRotate,
-// each waited for as it is needed; both operands in shared memory except Q's rope block (8),
-// whose fragments are in registers.
-template <typename T, int kFirst = 0, int kEnd = kColumnBlocks, int kRotate = 0>
-__device__ __forceinline__ void IssueScoresRopeInRegisters(float (&acc)[T::kNTiles][4],
-                                                           const Smem<T>& s, int t,
-                                                           uint64_t q_desc0,
-                                                           const uint32_t (&rope)[4][4]) {
-  static_assert(kRotate != kColumnBlocks - 1, "the first k-step must initialize S (SS)");
-  // Both bases laundered: each warpgroup's tiles sit in one stage, so the compiler would
-  // otherwise hoist all 36 k-steps' descriptors out of the loop (and spill them).
-  const uint64_t q_desc = Opaque(q_desc0);
-  const uint64_t k_desc = Opaque(KMajorDescriptor(s.Kv(t % T::kStages)));
-#pragma unroll
-  for (int j = 4 * kFirst; j < 4 * kEnd; ++j) {
-    const int cb = (j / 4 + kRotate) % kColumnBlocks;
-    if (j % 4 == 0) WaitFull(s, t, cb);
-    const uint32_t in_block = (j % 4) * 32;
-    const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
-    if (cb < kColumnBlocks - 1) {
-      const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
-      Wgmma<T::kBlockN>::SS(acc, a, b, j > 0 ? 1u : 0u);
-    } else {
-      Wgmma<T::kBlockN>::RS(acc, rope[j % 4], b);
-    }
-  }
-}
-
-// What both seesaw warpgroups start with: Q's rope block in registers, and S of their first tile.
-template <typename T, int kRotate>
-__device__ __forceinline__ void SeesawStart(const Smem<T>& s, int first_tile, bool has_tile,
-                                            int row_g, int lane, float (&acc)[T::kNTiles][4],
-                                            uint32_t (&rope)[4][4]) {
-  BarrierWait(s.QFull(), 0);
-  LoadFragments(s.QRopePtr(), rope, row_g, lane);
-  if (has_tile) {
-    WgmmaFence();
-    IssueScoresRopeInRegisters<T, 0, kColumnBlocks, kRotate>(acc, s, first_tile,
-                                                             KMajorDescriptor(s.Q()), rope);
-    WgmmaCommit();
-  }
-  WgmmaWait<0>();
-  PinRegisters(acc);
-}
-
-// Both warpgroups' end: the row sums (A's share + B's, in that order in both), then the rows.
-template <typename T, int kWg>
-__device__ __forceinline__ void SeesawFinish(const MlaParams& p, const Work& w, const Smem<T>& s,
-                                             const OnlineSoftmax<T::kNTiles>& softmax,
-                                             const float (&o)[kDTiles][4], int warp, int lane,
-                                             int row_g, const RowSink& sink) {
-  const float share[2] = {softmax.RowSum(0), softmax.RowSum(1)};
-  if ((lane & 3) == 0) {
-    s.RowSums()[kWg * T::kBlockM + row_g] = share[0];
-    s.RowSums()[kWg * T::kBlockM + row_g + 8] = share[1];
-  }
-  NamedBarrierSync(kSumsBarrier, 256);
-  const float m[2] = {softmax.m[0], softmax.m[1]};
-  float sums[2];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    sums[x] = s.RowSums()[row_g + 8 * x] + s.RowSums()[T::kBlockM + row_g + 8 * x];
-  }
-  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
-  StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kWg * kHalfCols, lane,
-            kWg == 0);
-}
-
-// A seesaw consumer lane's constants.
-struct SeesawLane {
-  int warp, lane;
-  RowLimits rows;
-  int row_g;
-  float scale_log2;
-  uint64_t q_desc0;
-  int n;  // the item's key tiles
-
-  template <typename T>
-  __device__ __forceinline__ SeesawLane(const MlaParams& p, const Work& w, const Smem<T>& s,
-                                        int ctid)
-      : warp(ctid / 32),
-        lane(ctid % 32),
-        rows(p, w, ctid / 32, ctid % 32),
-        row_g(rows.row_g),
-        scale_log2(p.sm_scale * kLog2e),
-        q_desc0(KMajorDescriptor(s.Q())),
-        n(w.num_tiles) {}
-};
-
-// Runs pair(i, has_b, next) for every pair of n tiles, with has_b (tile 2 i + 1 exists) and next
-// (tile 2 i + kNextOffset exists: the one whose S the pair issues) as std::bool_constant, so
-// that every wgmma of each instance is issued unconditionally.
-template <int kNextOffset, typename Pair>
-__device__ __forceinline__ void ForEachPair(int n, Pair&& pair) {
-  for (int i = 0; 2 * i < n; ++i) {
-    if (2 * i + kNextOffset < n) {
-      pair(i, std::true_type(), std::true_type());
-    } else if (2 * i + 1 < n) {
-      pair(i, std::true_type(), std::false_type());
-    } else {
-      pair(i, std::false_type(), std::false_type());
-    }
-  }
-}
-
-// Warpgroup A (1): S of the even tiles, O[:, 0:256].
-template <typename T>
-__device__ __forceinline__ void ConsumeSeesawA(const MlaParams& p, const Work& w, const Smem<T>& s,
-                                               int ctid, const RowSink& sink) {
-  const SeesawLane l(p, w, s, ctid);
-  const int lane = l.lane, row_g = l.row_g;
-  float o[kDTiles][4] = {};
-  float acc[T::kNTiles][4];
-  uint32_t rope[4][4];
-  uint32_t pa[T::kPSteps][4];  // P_a, for P_a V_aL
-  OnlineSoftmax<T::kNTiles> softmax;
-
-  // One pair; kHasB: tile b exists, kNextA: tile a + 2 does (its S is issued here). Each ends
-  // with no wgmma in flight, so that ptxas can count the groups of every instance.
-  auto pair = [&](int i, auto has_b, auto next_a) {
-    constexpr bool kHasB = decltype(has_b)::value;
-    constexpr bool kNextA = decltype(next_a)::value;
-    const int a = 2 * i;
-    l.rows.Mask(acc, w.item.kv_begin + a * T::kBlockN, lane);
-    float alpha[2];
-    softmax.Update(acc, l.scale_log2, alpha);
-    ScoresToA(acc, pa);
-    if (i > 0) NamedBarrierSync(kPaFreeBarrier, 256);  // B's P_a V_aR of the last pair is done
-    StoreFragments(s.PPtr(), pa, row_g, lane);
-    if ((lane & 3) == 0) {
-      s.RowMax()[row_g] = softmax.m[0];
-      s.RowMax()[row_g + 8] = softmax.m[1];
-    }
-    FenceProxyAsync();  // P_a's ordinary stores before warpgroup B's wgmma reads them
-    NamedBarrierArrive(kMaxABarrier, 256);
-    RescaleAccumulator(o, alpha);
-    WgmmaFence();
-#pragma unroll
-    for (int ks = 0; ks < T::kPSteps; ++ks) {
-      Wgmma<kHalfCols>::RSTransB(o, pa[ks], ValueDescriptor(s, 0, 0, ks));
-    }
-    WgmmaCommit();
-
-    // Tile a's left half (S_a was done before the pair) while warpgroup B's softmax runs, so
-    // that tile a + 2's copies into it start early.
-    WgmmaWait<0>();
-    PinRegisters(o);
-    PinRegisters(pa);
-    Release(s, a, lane, 0);
-
-    // Tile b's maxima and P_b: O_L and this share of the sums move to them.
-    NamedBarrierSync(kMaxBBarrier, 256);
-    float beta[2] = {1.f, 1.f};
-    if constexpr (kHasB) {
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        beta[x] = softmax.Rescale(x, s.RowMax()[row_g + 8 * x]).alpha;
-        softmax.d[x] *= beta[x];
-      }
-    }
-    if constexpr (kHasB) {
-      // V_bL's blocks (warpgroup B's S read them), each seen through its own barrier.
-#pragma unroll
-      for (int cb = 0; cb < kHalfCols / 64; ++cb) WaitFull(s, a + 1, cb);
-      RescaleAccumulator(o, beta);
-      WgmmaFence();
-#pragma unroll
-      for (int ks = 0; ks < T::kPSteps; ++ks) {
-        Wgmma<kHalfCols>::SSTransB(o, KMajorDescriptor(s.PbOverQ() + ks * 32),
-                                   ValueDescriptor(s, 1, 0, ks));
-      }
-      WgmmaCommit();
-    }
-    // S of tile a + 2 in two groups, so that tile b's left half is released (and the copies of
-    // tile b + 2 into it, which warpgroup B's next S waits for, start) once P_b V_bL is done
-    // rather than once all of tile a + 2 has landed.
-    if constexpr (kNextA) {
-      IssueScoresRopeInRegisters<T, 0, kHalfCols / 64>(acc, s, a + 2, l.q_desc0, rope);
-      WgmmaCommit();
-    }
-    if constexpr (kHasB) {
-      WgmmaWait<kNextA ? 1 : 0>();
-      PinRegisters(o);
-      Release(s, a + 1, lane, 0);
-    }
-    if constexpr (kNextA) {
-      IssueScoresRopeInRegisters<T, kHalfCols / 64>(acc, s, a + 2, l.q_desc0, rope);
-      WgmmaCommit();
-    }
-    WgmmaWait<0>();
-    PinRegisters(acc);
-    PinRegisters(o);
-  };
-
-  if (l.n > 0) {
-    SeesawStart<T, 0>(s, 0, true, row_g, lane, acc, rope);
-    ForEachPair<2>(l.n, pair);
-  }
-  SeesawFinish<T, 0>(p, w, s, softmax, o, l.warp, lane, row_g, sink);
-}
-
-// Warpgroup B (2): S of the odd tiles, O[:, 256:512]. P_a comes at tile a's maxima: O_R takes
-// P_a V_aR at them (issued before this warpgroup's softmax, which it overlaps) and moves to tile
-// b's maxima before P_b V_bR.
-template <typename T>
-__device__ __forceinline__ void ConsumeSeesawB(const MlaParams& p, const Work& w, const Smem<T>& s,
-                                               int ctid, const RowSink& sink) {
-  const SeesawLane l(p, w, s, ctid);
-  const int lane = l.lane, row_g = l.row_g;
-  float o[kDTiles][4] = {};
-  float acc[T::kNTiles][4];
-  uint32_t rope[4][4];
-  uint32_t pb[T::kPSteps][4];  // P_b, for P_b V_bR
-  OnlineSoftmax<T::kNTiles> softmax;
-
-  // kHasB: tile b exists; kNextB: tile b + 2 does (its S is issued here).
-  auto pair = [&](int i, auto has_b, auto next_b) {
-    constexpr bool kHasB = decltype(has_b)::value;
-    constexpr bool kNextB = decltype(next_b)::value;
-    const int b = 2 * i + 1;
-    NamedBarrierSync(kMaxABarrier, 256);
-    float alpha[2];
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      alpha[x] = softmax.Rescale(x, s.RowMax()[row_g + 8 * x]).alpha;  // to tile a's maxima
-      softmax.d[x] *= alpha[x];
-    }
-    RescaleAccumulator(o, alpha);
-#pragma unroll
-    for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, b - 1, cb);  // V_aR's
-    WgmmaFence();
-#pragma unroll
-    for (int ks = 0; ks < T::kPSteps; ++ks) {
-      Wgmma<kHalfCols>::SSTransB(o, KMajorDescriptor(s.P() + ks * 32),
-                                 ValueDescriptor(s, 0, kHalfCols, ks));
-    }
-    WgmmaCommit();
-
-    float beta[2];
-    if constexpr (kHasB) {
-      l.rows.Mask(acc, w.item.kv_begin + b * T::kBlockN, lane);
-      softmax.Update(acc, l.scale_log2, beta);
-      __syncwarp();  // every lane of a row has read its maximum before the row's lane 0 writes it
-      if ((lane & 3) == 0) {
-        s.RowMax()[row_g] = softmax.m[0];
-        s.RowMax()[row_g + 8] = softmax.m[1];
-      }
-      ScoresToA(acc, pb);
-      StoreFragments(s.PbPtr(), pb, row_g, lane);
-      FenceProxyAsync();
-    }
-    NamedBarrierArrive(kMaxBBarrier, 256);
-    WgmmaWait<0>();
-    PinRegisters(o);
-    Release(s, b - 1, lane, 1);  // tile a's right half (and rope block)
-    // Warpgroup A may write the next pair's P_a (the arrivals match its waits).
-    if (b + 1 < l.n) NamedBarrierArrive(kPaFreeBarrier, 256);
-    if constexpr (kHasB) {
-      RescaleAccumulator(o, beta);
-      WgmmaFence();
-#pragma unroll
-      for (int ks = 0; ks < T::kPSteps; ++ks) {
-        Wgmma<kHalfCols>::RSTransB(o, pb[ks], ValueDescriptor(s, 1, kHalfCols, ks));
-      }
-      WgmmaCommit();
-      // Released before S of tile b + 2 is issued: that GEMM waits for tile b + 2's copies into
-      // this very stage, which wait for the release.
-      WgmmaWait<0>();
-      PinRegisters(o);
-      PinRegisters(pb);
-      Release(s, b, lane, 1);
-    }
-    if constexpr (kNextB) {
-      IssueScoresRopeInRegisters<T, 0, kColumnBlocks, kHalfCols / 64>(acc, s, b + 2, l.q_desc0,
-                                                                      rope);
-      WgmmaCommit();
-    }
-    WgmmaWait<0>();
-    PinRegisters(acc);
-    PinRegisters(o);
-  };
-
-  if (l.n > 0) {
-    SeesawStart<T, kHalfCols / 64>(s, 1, l.n > 1, row_g, lane, acc, rope);
-    ForEachPair<3>(l.n, pair);
-  }
-  SeesawFinish<T, 1>(p, w, s, softmax, o, l.warp, lane, row_g, sink);
 }
 
 // ---- The transposed kernel for few heads (NarrowTraits). A decode of 8 to 32 heads fills only
@@ -942,10 +575,12 @@ __device__ __forceinline__ void ConsumeSeesawB(const MlaParams& p, const Work& w
 // waiting for the one before, took 88 us in the kernel and gained nothing.
 constexpr int kMaxClusterSplits = 8;  // the largest portable cluster
 
-template <int kN_, bool kClusterMerge_ = false, int kPrefetchTiles_ = 0>
+// A split decode's chunks of a row tile run as a cluster and merge there (kClusterMerge) where the
+// plan groups them (PlanConfig::cluster_splits); other launches run plain CTAs of the same kernel.
+template <int kN_, int kPrefetchTiles_ = 0>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
-  static constexpr bool kClusterMerge = kClusterMerge_;
+  static constexpr bool kClusterMerge = true;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
   static_assert(kN == 16 || kN == 32, "the widths of Wgmma<16> and Wgmma<32>");
   static constexpr int kBlockM = kN;
@@ -953,7 +588,6 @@ struct NarrowTraits {
   static constexpr int kConsumerWarps = 4;
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
-  static constexpr bool kSeesaw = false;
   static constexpr bool kLateRight = false;
   static constexpr int kPrefetchTiles = kPrefetchTiles_;  // as Traits'
   // cp.async, not TMA, at every page size: 1.5-1.8 us faster at 16 heads on the H200 (93.4 against
@@ -1316,8 +950,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
     for (int i = 0; i < T::kStages; ++i) {
       for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
-      // One arrival per consumer warp (kSeesaw, kLateRight: of the warpgroup that finishes the
-      // half).
+      // One arrival per consumer warp (kLateRight: of the warpgroup that finishes the half).
       for (int h = 0; h < T::kReleases; ++h) {
         BarrierInit(s.KvEmpty(i, h), T::kConsumerWarps / T::kReleases);
       }
@@ -1332,18 +965,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ConsumeNarrow<T>(p, w, s, tid - 128, sink, clustered);
   } else if (tid < 256) {
     ClaimRegisters<T::kFirstRegisters>();
-    if constexpr (T::kSeesaw) {
-      ConsumeSeesawA<T>(p, w, s, tid - 128, sink);
-    } else {
-      ConsumeScores<T>(p, w, s, tid - 128, sink);
-    }
+    ConsumeScores<T>(p, w, s, tid - 128, sink);
   } else {
     ClaimRegisters<T::kSecondRegisters>();
-    if constexpr (T::kSeesaw) {
-      ConsumeSeesawB<T>(p, w, s, tid - 256, sink);
-    } else {
-      ConsumeSecond<T>(p, w, s, tid - 256, sink);
-    }
+    ConsumeSecond<T>(p, w, s, tid - 256, sink);
   }
   if constexpr (T::kClusterMerge) {
     if (clustered) {
@@ -1444,34 +1069,20 @@ struct Config {
 template <typename Fn>
 cudaError_t WithConfig(int variant, Fn&& fn) {
   switch (variant) {
-    case kMlaSm90:
-      return fn(Config<Traits<64, 2, false>>());
-    case kMlaSm90SplitS:
-      return fn(Config<Traits<64, 2, true>>());
-    case kMlaSm90Seesaw:
-      return fn(Config<Traits<64, 2, false, true>>());
-    case kMlaSm90SplitSTma:
-      return fn(Config<Traits<64, 2, true, false, true>>());
-    case kMlaSm90SeesawTma:
-      return fn(Config<Traits<64, 2, false, true, true>>());
     case kMlaSm90LateRightTma:
-      return fn(Config<Traits<64, 2, true, false, true, true>>());
-    case kMlaSm90Narrow16:
-      return fn(Config<NarrowTraits<16>>());
-    case kMlaSm90Narrow32:
-      return fn(Config<NarrowTraits<32>>());
+      return fn(Config<Traits<>>());
     case kMlaSm90Narrow16Cluster:
-      return fn(Config<NarrowTraits<16, true>>());
+      return fn(Config<NarrowTraits<16>>());
     case kMlaSm90Narrow32Cluster:
-      return fn(Config<NarrowTraits<32, true>>());
+      return fn(Config<NarrowTraits<32>>());
     case kMlaSm90LateRightTmaPrefetch2:
-      return fn(Config<Traits<64, 2, true, false, true, true, 2>>());
+      return fn(Config<Traits<2>>());
     case kMlaSm90LateRightTmaPrefetch3:
-      return fn(Config<Traits<64, 2, true, false, true, true, 3>>());
+      return fn(Config<Traits<3>>());
     case kMlaSm90Narrow16ClusterPrefetch2:
-      return fn(Config<NarrowTraits<16, true, 2>>());
+      return fn(Config<NarrowTraits<16, 2>>());
     case kMlaSm90Narrow16ClusterPrefetch3:
-      return fn(Config<NarrowTraits<16, true, 3>>());
+      return fn(Config<NarrowTraits<16, 3>>());
     default:
       return cudaErrorInvalidValue;
   }
