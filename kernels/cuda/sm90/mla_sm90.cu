@@ -71,8 +71,9 @@ constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
 constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is done
 
-// The 64-row kernel (ConsumeScores/ConsumeSecond), with kPrefetchTiles as Produce takes it.
-template <int kPrefetchTiles_ = 0>
+// The 64-row kernel (ConsumeScores/ConsumeSecond, or ConsumeSplitKeys with kSplitKeys), with
+// kPrefetchTiles as Produce takes it.
+template <int kPrefetchTiles_ = 0, bool kSplitKeys_ = false>
 struct Traits {
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
@@ -98,15 +99,18 @@ struct Traits {
   // t + 1 and under the softmax after it, rather than beside all of S. Each stage is released by
   // halves, the score warpgroup's (V's left columns and the rope block) after its P V and the rest
   // after warpgroup 2's, and S reads the blocks in the order they are refilled: 0-3, 8, 4-7.
-  static constexpr bool kLateRight = true;
+  // Trial (kSplitKeys, ConsumeSplitKeys): the two consumers split each tile's keys instead, and a
+  // stage is released whole once both are done with it.
+  static constexpr bool kSplitKeys = kSplitKeys_;
+  static constexpr bool kLateRight = !kSplitKeys;
   // Key tile t + kPrefetchTiles brought into L2 while the producer waits to issue tile t's copies
   // (Produce), so that those copies find it there: 0 for none.
   static constexpr int kPrefetchTiles = kPrefetchTiles_;
   // setmaxnreg's split (ptxas spills nothing at these): the score warpgroup holds S twice (two
-  // chains of k-steps) and its partner neither.
+  // chains of k-steps) and its partner neither; with kSplitKeys both hold half of S.
   static constexpr int kProducerRegisters = 56;
-  static constexpr int kFirstRegisters = 240;
-  static constexpr int kSecondRegisters = 208;
+  static constexpr int kFirstRegisters = kSplitKeys ? 224 : 240;
+  static constexpr int kSecondRegisters = kSplitKeys ? 224 : 208;
   static constexpr int kPoolRegisters =
       128 * (kProducerRegisters + kFirstRegisters + kSecondRegisters);
   static_assert(kPoolRegisters <= kThreads * kLaunchRegisters);
@@ -117,8 +121,8 @@ struct Traits {
   static constexpr int kKvPasses = kBlockN / kRowsPerPass;
   // Q's, one per column block of each stage (S starts on a tile's first block while the others
   // are in flight), and each stage's release by halves: V's left columns with the rope block, and
-  // the rest (different warpgroups finish with each).
-  static constexpr int kReleases = 2;
+  // the rest (different warpgroups finish with each); kSplitKeys: whole.
+  static constexpr int kReleases = kLateRight ? 2 : 1;
   static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
   static constexpr int kSmemBytes =
@@ -319,16 +323,17 @@ __device__ __forceinline__ uint32_t* FragmentWord(unsigned char* tile, int r, in
   return reinterpret_cast<uint32_t*>(tile + r * 128 + ((c ^ (r & 7)) << 4) + (lane & 3) * 4);
 }
 
+// kSteps k-steps of A fragments into the tile's 8-column chunks from chunk0 on.
 template <int kSteps>
 __device__ __forceinline__ void StoreFragments(unsigned char* tile, const uint32_t (&a)[kSteps][4],
-                                               int row_g, int lane) {
+                                               int row_g, int lane, int chunk0 = 0) {
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *FragmentWord(tile, row_g + 8 * x, 2 * ks + h, lane) = a[ks][2 * h + x];
+        *FragmentWord(tile, row_g + 8 * x, chunk0 + 2 * ks + h, lane) = a[ks][2 * h + x];
     }
   }
 }
@@ -373,6 +378,47 @@ __device__ __forceinline__ constexpr int BlockOfStep(int i) {
   return i < kHalfCols / 64 ? i : i == kHalfCols / 64 ? kColumnBlocks - 1 : i - 1;
 }
 
+// S = Q K^T for kN of a tile's keys, from key row key0 on (a multiple of the swizzle's 8-row
+// period), as two chains of k-steps (even ones into acc, odd ones into acc_odd): k-step ks reads
+// column block block_of(ks / 4) of Q and of the key tile, each waited for just before its k-steps
+// are issued. The k-steps' descriptors are the tile's first plus the step's offset (>> 4, the
+// start address field's unit). Q's are the same every tile: hoisted out of the caller's loop, all
+// 36 of them would stay live (and spill), so the base is laundered through an opaque move each
+// tile.
+template <typename T, int kN, typename BlockOf>
+__device__ __forceinline__ void IssueScores(float (&acc)[kN / 8][4], float (&acc_odd)[kN / 8][4],
+                                            const Smem<T>& s, int t, uint64_t q_desc0, int key0,
+                                            BlockOf block_of) {
+  const uint64_t q_desc = Opaque(q_desc0);
+  const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages) + key0 * 128);
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    const int cb = block_of(ks / 4);
+    if (ks % 4 == 0) WaitFull(s, t, cb);
+    const uint32_t in_block = (ks % 4) * 32;
+    const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
+    const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
+    if (ks % 2 == 0) {
+      Wgmma<kN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
+    } else {
+      Wgmma<kN>::SS(acc_odd, a, b, ks > 1 ? 1u : 0u);
+    }
+  }
+}
+
+// Once S's GEMM is done: its accumulators are the compiler's again, added into one.
+template <int kNTiles>
+__device__ __forceinline__ void FinishScores(float (&acc)[kNTiles][4],
+                                             float (&acc_odd)[kNTiles][4]) {
+  PinRegisters(acc);
+  PinRegisters(acc_odd);
+#pragma unroll
+  for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] += acc_odd[j][c];
+  }
+}
+
 // Warpgroup 1: scores, softmax, P for both consumers, and output columns [0, 256).
 template <typename T>
 __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w, const Smem<T>& s,
@@ -390,39 +436,12 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   float alpha[2];
   OnlineSoftmax<T::kNTiles> softmax;
 
-  // S = Q K^T: k-step ks reads column block BlockOfStep(ks / 4) of Q and of the key tile, each
-  // waited for just before its k-steps are issued. The k-steps' descriptors are the tile's first
-  // plus the step's offset (>> 4, the start address field's unit). Q's are the same every tile:
-  // hoisted out of the loop, all 36 of them would stay live (and spill), so the base is laundered
-  // through an opaque move each tile.
+  // S of the whole tile, its column blocks in the order the producer refills a stage's halves.
   const uint64_t q_desc0 = KMajorDescriptor(s.Q());
   auto issue_qk = [&](int t) {
-    const uint64_t q_desc = Opaque(q_desc0);
-    const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      const int cb = BlockOfStep(ks / 4);
-      if (ks % 4 == 0) WaitFull(s, t, cb);
-      const uint32_t in_block = (ks % 4) * 32;
-      const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
-      const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
-      if (ks % 2 == 0) {
-        Wgmma<kBlockN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
-      } else {
-        Wgmma<kBlockN>::SS(acc_odd, a, b, ks > 1 ? 1u : 0u);
-      }
-    }
+    IssueScores<T, kBlockN>(acc, acc_odd, s, t, q_desc0, 0, [](int i) { return BlockOfStep(i); });
   };
-  // Once S's GEMM is done: its accumulators are the compiler's again, added into one.
-  auto finish_qk = [&] {
-    PinRegisters(acc);
-    PinRegisters(acc_odd);
-#pragma unroll
-    for (int j = 0; j < T::kNTiles; ++j) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[j][c] += acc_odd[j][c];
-    }
-  };
+  auto finish_qk = [&] { FinishScores(acc, acc_odd); };
   auto softmax_tile = [&](int t) {
     rows.Mask(acc, w.item.kv_begin + t * kBlockN, lane);
     softmax.Update(acc, scale_log2, alpha);
@@ -539,6 +558,147 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
   const float sums[2] = {s.FinalSum()[row_g], s.FinalSum()[row_g + 8]};
   const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kHalfCols, lane, false);
+}
+
+// ---- Keys split between the consumers (Traits::kSplitKeys, a trial). Stall sampling of the
+// default kernel (bench/RESULTS.md) has the tensor cores waiting on the score warpgroup's chain:
+// per tile it carries S (2.4 M MACs), the softmax and half of P V (1.05 M), warpgroup 2 only the
+// other half of P V. Here warpgroup g computes S for keys [32 g, 32 g + 32) of every tile
+// (m64n32, in two chains), the softmax of those keys with the rows' maxima exchanged through
+// shared memory, and O[:, 256 g : 256 g + 256] += P V, its own half of P from registers and the
+// other's from shared memory: 2.2 M MACs each. Each overlaps its softmax of tile t + 1 with its
+// P V of tile t (FA3's order: S of tile t + 1 and P V of tile t issued back to back, the softmax
+// once S is done, O rescaled once P V is), which a half S's 16 registers a chain make affordable.
+// Per tile three named barriers: the maxima, P's buffer free (both P V of the tile before done;
+// there is no room for a second buffer) and P full (both halves written).
+constexpr int kSplitMaxBarrier = 1;    // both warpgroups' tile maxima are in shared memory
+constexpr int kSplitPFreeBarrier = 2;  // both are done reading P of the tile before
+constexpr int kSplitPFullBarrier = 4;  // both halves of P are in shared memory
+
+template <typename T, int kWg>
+__device__ __forceinline__ void ConsumeSplitKeys(const MlaParams& p, const Work& w,
+                                                 const Smem<T>& s, int ctid, const RowSink& sink) {
+  static_assert(T::kSplitKeys && T::kBlockN == 64);
+  constexpr int kKeys = T::kBlockN / 2;  // this warpgroup's keys of a tile
+  constexpr int kNT = T::kNTiles / 2;    // its score fragments
+  constexpr int kOwnSteps = kKeys / 16;  // its k-steps of P V
+  const int warp = ctid / 32, lane = ctid % 32;
+  const RowLimits rows(p, w, warp, lane);
+  const int row_g = rows.row_g;  // this lane's rows: row_g and row_g + 8
+  const float scale_log2 = p.sm_scale * kLog2e;
+  float* const maxima = s.Rows();  // [2][kBlockM]: each warpgroup's tile maxima, then its sums
+
+  float o[kDTiles][4] = {};
+  float acc[kNT][4];
+  float acc_odd[kNT][4];  // the odd k-steps' share of S
+  uint32_t pf[kOwnSteps][4];
+  float alpha[2];
+  OnlineSoftmax<kNT> softmax;
+
+  // S of this warpgroup's keys, column blocks in the order the producer copies them.
+  const uint64_t q_desc0 = KMajorDescriptor(s.Q());
+  auto issue_s = [&](int t) {
+    IssueScores<T, kKeys>(acc, acc_odd, s, t, q_desc0, kWg * kKeys, [](int i) { return i; });
+  };
+  auto finish_s = [&] { FinishScores(acc, acc_odd); };
+  // The tile's maxima over both halves, folded in the same order in both warpgroups, so that their
+  // m (and so alpha) agree bit for bit; then this half's p and its share of the sums.
+  auto softmax_tile = [&](int t) {
+    rows.Mask(acc, w.item.kv_begin + t * T::kBlockN + kWg * kKeys, lane);
+    float own[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) own[x] = QuadMax(OnlineSoftmax<kNT>::TileMax(acc, x, scale_log2));
+    if ((lane & 3) == 0) {
+      maxima[kWg * T::kBlockM + row_g] = own[0];
+      maxima[kWg * T::kBlockM + row_g + 8] = own[1];
+    }
+    NamedBarrierSync(kSplitMaxBarrier, 256);
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const float other = maxima[(1 - kWg) * T::kBlockM + row_g + 8 * x];
+      const auto r = softmax.Rescale(x, kWg == 0 ? fmaxf(own[x], other) : fmaxf(other, own[x]));
+      softmax.Exponentiate(acc, x, scale_log2, r);
+      alpha[x] = r.alpha;
+    }
+  };
+  // This half of P into the shared tile, for the other warpgroup's P V.
+  auto publish_p = [&] {
+    StoreFragments(s.PPtr(), pf, row_g, lane, kWg * 2 * kOwnSteps);
+    FenceProxyAsync();  // P's ordinary stores before the other warpgroup's wgmma reads them
+  };
+  auto issue_pv = [&](int t) {
+#pragma unroll
+    for (int ks = 0; ks < T::kPSteps; ++ks) {
+      const uint64_t v = ValueDescriptor(s, t % T::kStages, kWg * kHalfCols, ks);
+      if (ks / kOwnSteps == kWg) {
+        Wgmma<kHalfCols>::RSTransB(o, pf[ks % kOwnSteps], v);
+      } else {
+        Wgmma<kHalfCols>::SSTransB(o, KMajorDescriptor(s.P() + ks * 32), v);
+      }
+    }
+  };
+
+  if (w.num_tiles > 0) {
+    BarrierWait(s.QFull(), 0);
+    WgmmaFence();
+    issue_s(0);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    finish_s();
+    softmax_tile(0);  // O is still 0: its factor changes nothing
+    ScoresToA(acc, pf);
+    publish_p();  // P's buffer starts free
+    // One key tile: S of tile t + 1 (kMore) and P V of tile t, issued back to back; the softmax of
+    // tile t + 1 while P V runs; once P V is done, the stage released, O rescaled and P of tile
+    // t + 1 made (the GEMM read pf until then) and published. The last tile is peeled off, so
+    // that no GEMM is issued conditionally (see ConsumeScores).
+    auto step = [&](int t, auto more) {
+      constexpr bool kMore = decltype(more)::value;
+      NamedBarrierSync(kSplitPFullBarrier, 256);
+      WgmmaFence();
+      if constexpr (kMore) {
+        issue_s(t + 1);
+        WgmmaCommit();
+      }
+      issue_pv(t);
+      WgmmaCommit();
+      if constexpr (kMore) {
+        WgmmaWait<1>();  // S of tile t + 1 is done; P V of tile t may still run
+        finish_s();
+        softmax_tile(t + 1);
+      }
+      WgmmaWait<0>();
+      PinRegisters(o);
+      PinRegisters(pf);
+      Release(s, t, lane);
+      if constexpr (kMore) {
+        RescaleAccumulator(o, alpha);
+        ScoresToA(acc, pf);
+        NamedBarrierSync(kSplitPFreeBarrier, 256);  // the other P V of tile t read this half
+        publish_p();
+      }
+    };
+    for (int t = 0; t + 1 < w.num_tiles; ++t) step(t, std::true_type());
+    step(w.num_tiles - 1, std::false_type());
+  }
+
+  // The rows' sums: each warpgroup's share (its keys), added in the same order in both. The
+  // maxima's buffer is free: both read the last maxima before the last tile's barriers.
+  const float share[2] = {softmax.RowSum(0), softmax.RowSum(1)};
+  if ((lane & 3) == 0) {
+    maxima[kWg * T::kBlockM + row_g] = share[0];
+    maxima[kWg * T::kBlockM + row_g + 8] = share[1];
+  }
+  NamedBarrierSync(kFinalBarrier, 256);
+  const float m[2] = {softmax.m[0], softmax.m[1]};
+  float sums[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    sums[x] = maxima[row_g + 8 * x] + maxima[T::kBlockM + row_g + 8 * x];
+  }
+  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
+  StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kWg * kHalfCols, lane,
+            kWg == 0);
 }
 
 // ---- The transposed kernel for few heads (NarrowTraits). A decode of 8 to 32 heads fills only
@@ -965,10 +1125,18 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ConsumeNarrow<T>(p, w, s, tid - 128, sink, clustered);
   } else if (tid < 256) {
     ClaimRegisters<T::kFirstRegisters>();
-    ConsumeScores<T>(p, w, s, tid - 128, sink);
+    if constexpr (T::kSplitKeys) {
+      ConsumeSplitKeys<T, 0>(p, w, s, tid - 128, sink);
+    } else {
+      ConsumeScores<T>(p, w, s, tid - 128, sink);
+    }
   } else {
     ClaimRegisters<T::kSecondRegisters>();
-    ConsumeSecond<T>(p, w, s, tid - 256, sink);
+    if constexpr (T::kSplitKeys) {
+      ConsumeSplitKeys<T, 1>(p, w, s, tid - 256, sink);
+    } else {
+      ConsumeSecond<T>(p, w, s, tid - 256, sink);
+    }
   }
   if constexpr (T::kClusterMerge) {
     if (clustered) {
@@ -1083,6 +1251,8 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<16, 2>>());
     case kMlaSm90Narrow16ClusterPrefetch3:
       return fn(Config<NarrowTraits<16, 3>>());
+    case kMlaSm90SplitKeys:
+      return fn(Config<Traits<0, true>>());
     default:
       return cudaErrorInvalidValue;
   }
