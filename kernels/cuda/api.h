@@ -101,10 +101,11 @@ inline constexpr int kMlaSm90Narrow16ClusterPrefetch3 = 31;
 // Trial: 18 with each tile's keys split between the two consumer warpgroups (S, softmax and P V
 // over their own 256 output columns each) instead of one computing S for both.
 inline constexpr int kMlaSm90SplitKeys = 32;
+inline constexpr int kMlaSm90SplitKeysPrefetch2 = 33;  // 32 with 28's L2 prefetch
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16Cluster ||
          v == kMlaSm90Narrow32Cluster ||
-         (v >= kMlaSm90LateRightTmaPrefetch2 && v <= kMlaSm90SplitKeys);
+         (v >= kMlaSm90LateRightTmaPrefetch2 && v <= kMlaSm90SplitKeysPrefetch2);
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

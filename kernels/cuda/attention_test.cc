@@ -187,7 +187,8 @@ std::vector<int> MlaVariants(int num_heads) {
                                  cuda::kMlaSm90LateRightTmaPrefetch3,
                                  cuda::kMlaSm90Narrow16ClusterPrefetch2,
                                  cuda::kMlaSm90Narrow16ClusterPrefetch3,
-                                 cuda::kMlaSm90SplitKeys};
+                                 cuda::kMlaSm90SplitKeys,
+                                 cuda::kMlaSm90SplitKeysPrefetch2};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates = ParseList(list);
     for (int v : candidates) {

@@ -1253,6 +1253,8 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<16, 3>>());
     case kMlaSm90SplitKeys:
       return fn(Config<Traits<0, true>>());
+    case kMlaSm90SplitKeysPrefetch2:
+      return fn(Config<Traits<2, true>>());
     default:
       return cudaErrorInvalidValue;
   }
