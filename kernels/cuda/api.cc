@@ -31,11 +31,6 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   return c;
 }
 
-bool IsSm90Prefill(int variant) {
-  return variant == kGqaPrefillSm90LeanOverlapSolo3 || variant == kGqaPrefillSm90Stamped ||
-         variant == kGqaPrefillSm90Solo3Tma || variant == kGqaPrefillSm90Solo3TmaLeanTiles;
-}
-
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the
 // fastest that passed kernel_tests on the H200 (bench/RESULTS.md).
 constexpr int kDefaultSm90Prefill = kGqaPrefillSm90Solo3TmaLeanTiles;
@@ -45,11 +40,11 @@ constexpr int kDefaultSm90Prefill = kGqaPrefillSm90Solo3TmaLeanTiles;
 cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
   bool sm90 = false;
 #ifdef ATTN_HAVE_SM90
-  if (*variant < 0 || IsSm90Prefill(*variant)) {
+  if (*variant < 0 || IsGqaPrefillSm90Variant(*variant)) {
     ATTN_CUDA_RETURN_IF_ERROR(GqaPrefillSm90Available(head_dim, &sm90));
   }
 #endif
-  if (IsSm90Prefill(*variant) && !sm90) return cudaErrorNotSupported;
+  if (IsGqaPrefillSm90Variant(*variant) && !sm90) return cudaErrorNotSupported;
   if (*variant < 0 && sm90) *variant = kDefaultSm90Prefill;
   return cudaSuccess;
 }
@@ -99,7 +94,7 @@ cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling) {
   }
   ATTN_CUDA_RETURN_IF_ERROR(ResolvePrefillVariant(head_dim, &tiling->variant));
 #ifdef ATTN_HAVE_SM90
-  if (IsSm90Prefill(tiling->variant)) {
+  if (IsGqaPrefillSm90Variant(tiling->variant)) {
     return GqaPrefillSm90Tiling(head_dim, tiling->variant, tiling);
   }
 #endif
@@ -149,7 +144,7 @@ cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_
     if (decode || plan.variant == kGqaPrefillOnDecodeKernel) {
       ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaDecode(p, plan, stream));
 #ifdef ATTN_HAVE_SM90
-    } else if (IsSm90Prefill(plan.variant)) {
+    } else if (IsGqaPrefillSm90Variant(plan.variant)) {
       ATTN_CUDA_RETURN_IF_ERROR(LaunchGqaPrefillSm90(p, plan, stream, plan.variant));
 #endif
     } else {

@@ -59,6 +59,10 @@ inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 // 4096 causal -1.5%, 8192 causal -0.4%, the long items of the 1117-on-71488 chunk +2%
 // (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
+inline constexpr bool IsGqaPrefillSm90Variant(int v) {
+  return v == kGqaPrefillSm90LeanOverlapSolo3 || v == kGqaPrefillSm90Stamped ||
+         v == kGqaPrefillSm90Solo3Tma || v == kGqaPrefillSm90Solo3TmaLeanTiles;
+}
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
 // (kernels/cuda/gqa_decode.cu). The default (-1) resolves to kGqaDecodeAdaptive.

@@ -145,17 +145,16 @@ std::vector<int> ParseList(const char* list) {
   return out;
 }
 
-// A listed number that names no variant (-1 for the default, kAllPrefillVariants or the stamped
-// one) fails the test: the entry points would refuse it everywhere, and the test would pass
-// without running it.
+// A listed number that names no variant (-1 for the default, the portable kernel, the decode
+// kernel or a Hopper one) fails the test: the entry points would refuse it everywhere, and the test
+// would pass without running it.
 std::vector<int> CheckedPrefillVariants() {
   const char* list = std::getenv("ATTN_TEST_PREFILL_VARIANTS");
   if (list == nullptr) return kAllPrefillVariants;
   const std::vector<int> variants = ParseList(list);
   for (int v : variants) {
-    const bool known = v == -1 || v == cuda::kGqaPrefillSm90Stamped ||
-                       std::find(kAllPrefillVariants.begin(), kAllPrefillVariants.end(), v) !=
-                           kAllPrefillVariants.end();
+    const bool known = v == -1 || v == 0 || v == cuda::kGqaPrefillOnDecodeKernel ||
+                       cuda::IsGqaPrefillSm90Variant(v);
     EXPECT_TRUE(known) << "ATTN_TEST_PREFILL_VARIANTS names " << v
                        << ", no GQA prefill variant of kernels/cuda/api.h";
   }
