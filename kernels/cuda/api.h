@@ -80,10 +80,11 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
-// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma, kMlaSm90Narrow16Cluster
-// or kMlaSm90Narrow32Cluster where they run (kernels/cuda/sm90/mla_sm90.cu). The numbers are those
-// the variants were measured under; the schedules they beat on the H200 (10-14, 16, 17) are gone,
-// and bench/RESULTS.md records each.
+// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma (prefills),
+// kMlaSm90LateRightTmaPrefetch2, kMlaSm90Narrow16Cluster or kMlaSm90Narrow32Cluster (decodes) where
+// they run (kernels/cuda/sm90/mla_sm90.cu). The numbers are those
+// the variants were measured under; the schedules they beat on the H200 and H100 (10-14, 16, 17,
+// 29-33) are gone, and bench/RESULTS.md records each.
 inline constexpr int kMlaPortable = 0;
 // 64-row tiles: S in two chains of k-steps, whole 64-key tiles by TMA where the page size is a
 // multiple of 64 (elsewhere cp.async), the second consumer's P V deferred until the first's is
@@ -97,19 +98,13 @@ inline constexpr int kMlaSm90LateRightTma = 18;
 inline constexpr int kMlaSm90Narrow16Cluster = 22;
 inline constexpr int kMlaSm90Narrow32Cluster = 23;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
-// Trials: 18 and 22 with each key tile brought into L2 two or three tiles before its copies.
+// 18 with each key tile brought into L2 two tiles before its copies are issued: the default for
+// decodes of more than 32 heads (128 heads -4%; the prefills, whose copies come from L2 anyway,
+// +2.5-8%).
 inline constexpr int kMlaSm90LateRightTmaPrefetch2 = 28;
-inline constexpr int kMlaSm90LateRightTmaPrefetch3 = 29;
-inline constexpr int kMlaSm90Narrow16ClusterPrefetch2 = 30;
-inline constexpr int kMlaSm90Narrow16ClusterPrefetch3 = 31;
-// Trial: 18 with each tile's keys split between the two consumer warpgroups (S, softmax and P V
-// over their own 256 output columns each) instead of one computing S for both.
-inline constexpr int kMlaSm90SplitKeys = 32;
-inline constexpr int kMlaSm90SplitKeysPrefetch2 = 33;  // 32 with 28's L2 prefetch
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16Cluster ||
-         v == kMlaSm90Narrow32Cluster ||
-         (v >= kMlaSm90LateRightTmaPrefetch2 && v <= kMlaSm90SplitKeysPrefetch2);
+         v == kMlaSm90Narrow32Cluster || v == kMlaSm90LateRightTmaPrefetch2;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

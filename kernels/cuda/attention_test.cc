@@ -178,16 +178,9 @@ std::vector<int> DecodeVariants(int head_dim) {
 // bisect a failing variant on the GPU). A listed number that names no variant fails the test, as
 // in CheckedPrefillVariants.
 std::vector<int> MlaVariants(int num_heads) {
-  std::vector<int> candidates = {cuda::kMlaPortable,
-                                 cuda::kMlaSm90LateRightTma,
-                                 cuda::kMlaSm90Narrow16Cluster,
-                                 cuda::kMlaSm90Narrow32Cluster,
-                                 cuda::kMlaSm90LateRightTmaPrefetch2,
-                                 cuda::kMlaSm90LateRightTmaPrefetch3,
-                                 cuda::kMlaSm90Narrow16ClusterPrefetch2,
-                                 cuda::kMlaSm90Narrow16ClusterPrefetch3,
-                                 cuda::kMlaSm90SplitKeys,
-                                 cuda::kMlaSm90SplitKeysPrefetch2};
+  std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90LateRightTma,
+                                 cuda::kMlaSm90Narrow16Cluster, cuda::kMlaSm90Narrow32Cluster,
+                                 cuda::kMlaSm90LateRightTmaPrefetch2};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates = ParseList(list);
     for (int v : candidates) {

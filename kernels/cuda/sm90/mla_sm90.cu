@@ -32,7 +32,14 @@
 // each tile from L2 once for both halves of a 128-head decode, and the pairs again with TMA
 // multicast (one hop, each CTA issuing every other column block to both, a stage refilled once
 // both CTAs released it: 128 heads 291.5 -> 320.1 us, the prefill 1030 -> 1073 us; the halved L2
-// reads do not pay for the two CTAs waiting on each other's releases).
+// reads do not pay for the two CTAs waiting on each other's releases); each tile's keys split
+// between the two consumers, S, softmax and P V over their own 256 columns each (128 heads +13%,
+// the prefill +16%: the consumers' chain is not the bound); the L2 prefetch three tiles ahead
+// (level with none), and on the narrow kernel two or three ahead (+40-50%).
+// L2 prefetch (kPrefetchTiles, variant 28, the default for decodes of more than 32 heads): the
+// producer brings key tile t + 2 into L2 while it waits for the stage of tile t (128 heads 309
+// -> 296 us on the H100; the prefills, whose tiles other CTAs have mostly brought into L2
+// already, lose 2.5-8% to the extra instructions and requests).
 // Narrow variant (NarrowTraits, ConsumeNarrow below): for decodes of few heads, a transposed
 // kernel of two warpgroups whose GEMMs take the heads as their N side.
 // Rows past kv_end in a tile copy the range's last key again (real, finite data the mask hides;
@@ -71,9 +78,8 @@ constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
 constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is done
 
-// The 64-row kernel (ConsumeScores/ConsumeSecond, or ConsumeSplitKeys with kSplitKeys), with
-// kPrefetchTiles as Produce takes it.
-template <int kPrefetchTiles_ = 0, bool kSplitKeys_ = false>
+// The 64-row kernel (ConsumeScores/ConsumeSecond), with kPrefetchTiles as Produce takes it.
+template <int kPrefetchTiles_ = 0>
 struct Traits {
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
@@ -99,18 +105,15 @@ struct Traits {
   // t + 1 and under the softmax after it, rather than beside all of S. Each stage is released by
   // halves, the score warpgroup's (V's left columns and the rope block) after its P V and the rest
   // after warpgroup 2's, and S reads the blocks in the order they are refilled: 0-3, 8, 4-7.
-  // Trial (kSplitKeys, ConsumeSplitKeys): the two consumers split each tile's keys instead, and a
-  // stage is released whole once both are done with it.
-  static constexpr bool kSplitKeys = kSplitKeys_;
-  static constexpr bool kLateRight = !kSplitKeys;
+  static constexpr bool kLateRight = true;
   // Key tile t + kPrefetchTiles brought into L2 while the producer waits to issue tile t's copies
   // (Produce), so that those copies find it there: 0 for none.
   static constexpr int kPrefetchTiles = kPrefetchTiles_;
   // setmaxnreg's split (ptxas spills nothing at these): the score warpgroup holds S twice (two
-  // chains of k-steps) and its partner neither; with kSplitKeys both hold half of S.
+  // chains of k-steps) and its partner neither.
   static constexpr int kProducerRegisters = 56;
-  static constexpr int kFirstRegisters = kSplitKeys ? 224 : 240;
-  static constexpr int kSecondRegisters = kSplitKeys ? 224 : 208;
+  static constexpr int kFirstRegisters = 240;
+  static constexpr int kSecondRegisters = 208;
   static constexpr int kPoolRegisters =
       128 * (kProducerRegisters + kFirstRegisters + kSecondRegisters);
   static_assert(kPoolRegisters <= kThreads * kLaunchRegisters);
@@ -121,8 +124,8 @@ struct Traits {
   static constexpr int kKvPasses = kBlockN / kRowsPerPass;
   // Q's, one per column block of each stage (S starts on a tile's first block while the others
   // are in flight), and each stage's release by halves: V's left columns with the rope block, and
-  // the rest (different warpgroups finish with each); kSplitKeys: whole.
-  static constexpr int kReleases = kLateRight ? 2 : 1;
+  // the rest (different warpgroups finish with each).
+  static constexpr int kReleases = 2;
   static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
   static constexpr int kSmemBytes =
@@ -560,147 +563,6 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kHalfCols, lane, false);
 }
 
-// ---- Keys split between the consumers (Traits::kSplitKeys, a trial). Stall sampling of the
-// default kernel (bench/RESULTS.md) has the tensor cores waiting on the score warpgroup's chain:
-// per tile it carries S (2.4 M MACs), the softmax and half of P V (1.05 M), warpgroup 2 only the
-// other half of P V. Here warpgroup g computes S for keys [32 g, 32 g + 32) of every tile
-// (m64n32, in two chains), the softmax of those keys with the rows' maxima exchanged through
-// shared memory, and O[:, 256 g : 256 g + 256] += P V, its own half of P from registers and the
-// other's from shared memory: 2.2 M MACs each. Each overlaps its softmax of tile t + 1 with its
-// P V of tile t (FA3's order: S of tile t + 1 and P V of tile t issued back to back, the softmax
-// once S is done, O rescaled once P V is), which a half S's 16 registers a chain make affordable.
-// Per tile three named barriers: the maxima, P's buffer free (both P V of the tile before done;
-// there is no room for a second buffer) and P full (both halves written).
-constexpr int kSplitMaxBarrier = 1;    // both warpgroups' tile maxima are in shared memory
-constexpr int kSplitPFreeBarrier = 2;  // both are done reading P of the tile before
-constexpr int kSplitPFullBarrier = 4;  // both halves of P are in shared memory
-
-template <typename T, int kWg>
-__device__ __forceinline__ void ConsumeSplitKeys(const MlaParams& p, const Work& w,
-                                                 const Smem<T>& s, int ctid, const RowSink& sink) {
-  static_assert(T::kSplitKeys && T::kBlockN == 64);
-  constexpr int kKeys = T::kBlockN / 2;  // this warpgroup's keys of a tile
-  constexpr int kNT = T::kNTiles / 2;    // its score fragments
-  constexpr int kOwnSteps = kKeys / 16;  // its k-steps of P V
-  const int warp = ctid / 32, lane = ctid % 32;
-  const RowLimits rows(p, w, warp, lane);
-  const int row_g = rows.row_g;  // this lane's rows: row_g and row_g + 8
-  const float scale_log2 = p.sm_scale * kLog2e;
-  float* const maxima = s.Rows();  // [2][kBlockM]: each warpgroup's tile maxima, then its sums
-
-  float o[kDTiles][4] = {};
-  float acc[kNT][4];
-  float acc_odd[kNT][4];  // the odd k-steps' share of S
-  uint32_t pf[kOwnSteps][4];
-  float alpha[2];
-  OnlineSoftmax<kNT> softmax;
-
-  // S of this warpgroup's keys, column blocks in the order the producer copies them.
-  const uint64_t q_desc0 = KMajorDescriptor(s.Q());
-  auto issue_s = [&](int t) {
-    IssueScores<T, kKeys>(acc, acc_odd, s, t, q_desc0, kWg * kKeys, [](int i) { return i; });
-  };
-  auto finish_s = [&] { FinishScores(acc, acc_odd); };
-  // The tile's maxima over both halves, folded in the same order in both warpgroups, so that their
-  // m (and so alpha) agree bit for bit; then this half's p and its share of the sums.
-  auto softmax_tile = [&](int t) {
-    rows.Mask(acc, w.item.kv_begin + t * T::kBlockN + kWg * kKeys, lane);
-    float own[2];
-#pragma unroll
-    for (int x = 0; x < 2; ++x) own[x] = QuadMax(OnlineSoftmax<kNT>::TileMax(acc, x, scale_log2));
-    if ((lane & 3) == 0) {
-      maxima[kWg * T::kBlockM + row_g] = own[0];
-      maxima[kWg * T::kBlockM + row_g + 8] = own[1];
-    }
-    NamedBarrierSync(kSplitMaxBarrier, 256);
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const float other = maxima[(1 - kWg) * T::kBlockM + row_g + 8 * x];
-      const auto r = softmax.Rescale(x, kWg == 0 ? fmaxf(own[x], other) : fmaxf(other, own[x]));
-      softmax.Exponentiate(acc, x, scale_log2, r);
-      alpha[x] = r.alpha;
-    }
-  };
-  // This half of P into the shared tile, for the other warpgroup's P V.
-  auto publish_p = [&] {
-    StoreFragments(s.PPtr(), pf, row_g, lane, kWg * 2 * kOwnSteps);
-    FenceProxyAsync();  // P's ordinary stores before the other warpgroup's wgmma reads them
-  };
-  auto issue_pv = [&](int t) {
-#pragma unroll
-    for (int ks = 0; ks < T::kPSteps; ++ks) {
-      const uint64_t v = ValueDescriptor(s, t % T::kStages, kWg * kHalfCols, ks);
-      if (ks / kOwnSteps == kWg) {
-        Wgmma<kHalfCols>::RSTransB(o, pf[ks % kOwnSteps], v);
-      } else {
-        Wgmma<kHalfCols>::SSTransB(o, KMajorDescriptor(s.P() + ks * 32), v);
-      }
-    }
-  };
-
-  if (w.num_tiles > 0) {
-    BarrierWait(s.QFull(), 0);
-    WgmmaFence();
-    issue_s(0);
-    WgmmaCommit();
-    WgmmaWait<0>();
-    finish_s();
-    softmax_tile(0);  // O is still 0: its factor changes nothing
-    ScoresToA(acc, pf);
-    publish_p();  // P's buffer starts free
-    // One key tile: S of tile t + 1 (kMore) and P V of tile t, issued back to back; the softmax of
-    // tile t + 1 while P V runs; once P V is done, the stage released, O rescaled and P of tile
-    // t + 1 made (the GEMM read pf until then) and published. The last tile is peeled off, so
-    // that no GEMM is issued conditionally (see ConsumeScores).
-    auto step = [&](int t, auto more) {
-      constexpr bool kMore = decltype(more)::value;
-      NamedBarrierSync(kSplitPFullBarrier, 256);
-      WgmmaFence();
-      if constexpr (kMore) {
-        issue_s(t + 1);
-        WgmmaCommit();
-      }
-      issue_pv(t);
-      WgmmaCommit();
-      if constexpr (kMore) {
-        WgmmaWait<1>();  // S of tile t + 1 is done; P V of tile t may still run
-        finish_s();
-        softmax_tile(t + 1);
-      }
-      WgmmaWait<0>();
-      PinRegisters(o);
-      PinRegisters(pf);
-      Release(s, t, lane);
-      if constexpr (kMore) {
-        RescaleAccumulator(o, alpha);
-        ScoresToA(acc, pf);
-        NamedBarrierSync(kSplitPFreeBarrier, 256);  // the other P V of tile t read this half
-        publish_p();
-      }
-    };
-    for (int t = 0; t + 1 < w.num_tiles; ++t) step(t, std::true_type());
-    step(w.num_tiles - 1, std::false_type());
-  }
-
-  // The rows' sums: each warpgroup's share (its keys), added in the same order in both. The
-  // maxima's buffer is free: both read the last maxima before the last tile's barriers.
-  const float share[2] = {softmax.RowSum(0), softmax.RowSum(1)};
-  if ((lane & 3) == 0) {
-    maxima[kWg * T::kBlockM + row_g] = share[0];
-    maxima[kWg * T::kBlockM + row_g + 8] = share[1];
-  }
-  NamedBarrierSync(kFinalBarrier, 256);
-  const float m[2] = {softmax.m[0], softmax.m[1]};
-  float sums[2];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    sums[x] = maxima[row_g + 8 * x] + maxima[T::kBlockM + row_g + 8 * x];
-  }
-  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
-  StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kWg * kHalfCols, lane,
-            kWg == 0);
-}
-
 // ---- The transposed kernel for few heads (NarrowTraits). A decode of 8 to 32 heads fills only
 // that many of the 64 rows the kernels above give a tile, so they do 2-8x the tensor work the
 // heads need and are bound by it (16 heads: ~2.2 us per 64-key tile, where the tile's 72 KiB take
@@ -737,7 +599,7 @@ constexpr int kMaxClusterSplits = 8;  // the largest portable cluster
 
 // A split decode's chunks of a row tile run as a cluster and merge there (kClusterMerge) where the
 // plan groups them (PlanConfig::cluster_splits); other launches run plain CTAs of the same kernel.
-template <int kN_, int kPrefetchTiles_ = 0>
+template <int kN_>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
   static constexpr bool kClusterMerge = true;
@@ -749,7 +611,7 @@ struct NarrowTraits {
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
   static constexpr bool kLateRight = false;
-  static constexpr int kPrefetchTiles = kPrefetchTiles_;  // as Traits'
+  static constexpr int kPrefetchTiles = 0;  // as Traits'
   // cp.async, not TMA, at every page size: 1.5-1.8 us faster at 16 heads on the H200 (93.4 against
   // 95.0 us, bench/RESULTS.md).
   static constexpr bool kTma = false;
@@ -1125,18 +987,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ConsumeNarrow<T>(p, w, s, tid - 128, sink, clustered);
   } else if (tid < 256) {
     ClaimRegisters<T::kFirstRegisters>();
-    if constexpr (T::kSplitKeys) {
-      ConsumeSplitKeys<T, 0>(p, w, s, tid - 128, sink);
-    } else {
-      ConsumeScores<T>(p, w, s, tid - 128, sink);
-    }
+    ConsumeScores<T>(p, w, s, tid - 128, sink);
   } else {
     ClaimRegisters<T::kSecondRegisters>();
-    if constexpr (T::kSplitKeys) {
-      ConsumeSplitKeys<T, 1>(p, w, s, tid - 256, sink);
-    } else {
-      ConsumeSecond<T>(p, w, s, tid - 256, sink);
-    }
+    ConsumeSecond<T>(p, w, s, tid - 256, sink);
   }
   if constexpr (T::kClusterMerge) {
     if (clustered) {
@@ -1245,16 +1099,6 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<32>>());
     case kMlaSm90LateRightTmaPrefetch2:
       return fn(Config<Traits<2>>());
-    case kMlaSm90LateRightTmaPrefetch3:
-      return fn(Config<Traits<3>>());
-    case kMlaSm90Narrow16ClusterPrefetch2:
-      return fn(Config<NarrowTraits<16, 2>>());
-    case kMlaSm90Narrow16ClusterPrefetch3:
-      return fn(Config<NarrowTraits<16, 3>>());
-    case kMlaSm90SplitKeys:
-      return fn(Config<Traits<0, true>>());
-    case kMlaSm90SplitKeysPrefetch2:
-      return fn(Config<Traits<2, true>>());
     default:
       return cudaErrorInvalidValue;
   }
