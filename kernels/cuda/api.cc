@@ -49,12 +49,12 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
   return cudaSuccess;
 }
 
-// The Hopper MLA variant the default selects: S in two chains with TMA key tiles at page sizes
-// that are multiples of 64 (elsewhere cp.async), the second consumer's P V issued once the
-// first's is done. Beside 13 (the same without the late right half) in one H200 run: the 16-head
-// prefill 988 -> 924 us, the 128-head decode 284.6 -> 274.2 us, the page-1 seed 276.5 -> 272.8
-// us (bench/RESULTS.md).
-constexpr int kDefaultSm90Mla = kMlaSm90LateRightTma;
+// The Hopper MLA variant the default selects for prefills: S in two chains with TMA key tiles at
+// page sizes that are multiples of 64 (elsewhere cp.async), the second consumer's P V issued once
+// the first's is done. Beside 13 (the same without the late right half) in one H200 run: the
+// 16-head prefill 988 -> 924 us, the 128-head decode 284.6 -> 274.2 us, the page-1 seed 276.5 ->
+// 272.8 us (bench/RESULTS.md).
+constexpr int kDefaultSm90MlaPrefill = kMlaSm90LateRightTma;
 
 // The Hopper MLA variant the default selects for a launch of num_heads heads: a decode of at most
 // 32 heads fills one transposed tile's columns (kMlaSm90Narrow*), anything else the 64-row tiles.
@@ -67,7 +67,7 @@ int DefaultSm90Mla(int num_heads, bool decode) {
   if (decode && num_heads <= 16) return kMlaSm90Narrow16Cluster;
   if (decode && num_heads <= 32) return kMlaSm90Narrow32Cluster;
   if (decode) return kMlaSm90LateRightTmaPrefetch2;
-  return kDefaultSm90Mla;
+  return kDefaultSm90MlaPrefill;
 }
 
 // Resolves an MLA variant for the current device as ResolvePrefillVariant does.

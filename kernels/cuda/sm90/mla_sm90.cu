@@ -381,30 +381,29 @@ __device__ __forceinline__ constexpr int BlockOfStep(int i) {
   return i < kHalfCols / 64 ? i : i == kHalfCols / 64 ? kColumnBlocks - 1 : i - 1;
 }
 
-// S = Q K^T for kN of a tile's keys, from key row key0 on (a multiple of the swizzle's 8-row
-// period), as two chains of k-steps (even ones into acc, odd ones into acc_odd): k-step ks reads
-// column block block_of(ks / 4) of Q and of the key tile, each waited for just before its k-steps
-// are issued. The k-steps' descriptors are the tile's first plus the step's offset (>> 4, the
-// start address field's unit). Q's are the same every tile: hoisted out of the caller's loop, all
-// 36 of them would stay live (and spill), so the base is laundered through an opaque move each
-// tile.
-template <typename T, int kN, typename BlockOf>
-__device__ __forceinline__ void IssueScores(float (&acc)[kN / 8][4], float (&acc_odd)[kN / 8][4],
-                                            const Smem<T>& s, int t, uint64_t q_desc0, int key0,
-                                            BlockOf block_of) {
+// S = Q K^T for a tile as two chains of k-steps (even ones into acc, odd ones into acc_odd):
+// k-step ks reads column block BlockOfStep(ks / 4) of Q and of the key tile, each waited for just
+// before its k-steps are issued. The k-steps' descriptors are the tile's first plus the step's
+// offset (>> 4, the start address field's unit). Q's are the same every tile: hoisted out of the
+// caller's loop, all 36 of them would stay live (and spill), so the base is laundered through an
+// opaque move each tile.
+template <typename T>
+__device__ __forceinline__ void IssueScores(float (&acc)[T::kNTiles][4],
+                                            float (&acc_odd)[T::kNTiles][4], const Smem<T>& s,
+                                            int t, uint64_t q_desc0) {
   const uint64_t q_desc = Opaque(q_desc0);
-  const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages) + key0 * 128);
+  const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
-    const int cb = block_of(ks / 4);
+    const int cb = BlockOfStep(ks / 4);
     if (ks % 4 == 0) WaitFull(s, t, cb);
     const uint32_t in_block = (ks % 4) * 32;
     const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
     const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
     if (ks % 2 == 0) {
-      Wgmma<kN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
+      Wgmma<T::kBlockN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
     } else {
-      Wgmma<kN>::SS(acc_odd, a, b, ks > 1 ? 1u : 0u);
+      Wgmma<T::kBlockN>::SS(acc_odd, a, b, ks > 1 ? 1u : 0u);
     }
   }
 }
@@ -441,9 +440,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
 
   // S of the whole tile, its column blocks in the order the producer refills a stage's halves.
   const uint64_t q_desc0 = KMajorDescriptor(s.Q());
-  auto issue_qk = [&](int t) {
-    IssueScores<T, kBlockN>(acc, acc_odd, s, t, q_desc0, 0, [](int i) { return BlockOfStep(i); });
-  };
+  auto issue_qk = [&](int t) { IssueScores<T>(acc, acc_odd, s, t, q_desc0); };
   auto finish_qk = [&] { FinishScores(acc, acc_odd); };
   auto softmax_tile = [&](int t) {
     rows.Mask(acc, w.item.kv_begin + t * kBlockN, lane);
