@@ -2,6 +2,11 @@
 and flash backends, contiguous K/V), plus the ceilings of the device (bf16 GEMM through cuBLAS,
 device-to-device copy), timed like kernel_bench: L2 flushed before every run, CUDA events, median.
 
+K/V are head-major ([batch, kv_heads, kv_len, head_dim]: each head's keys one contiguous run), as
+SDPA takes them. The decode shapes are measured once more with cuDNN on token-major K/V ([batch,
+kv_len, kv_heads, head_dim] viewed as the former: a token's heads adjacent, as a paged cache
+holds them), row "cudnn_bshd": what the layout alone costs a decode, which reads K/V once.
+
     python3 bench/anchors.py --json anchors.json
 """
 
@@ -45,9 +50,12 @@ def time_us(fn, runs=30):
     return statistics.median(times)
 
 
-def gqa_anchor(backend, hq, hkv, d, batch, q_len, kv_len):
+def gqa_anchor(backend, hq, hkv, d, batch, q_len, kv_len, token_major=False):
     q = torch.randn(batch, hq, q_len, d, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(batch, hkv, kv_len, d, dtype=torch.bfloat16, device="cuda")
+    if token_major:
+        k = torch.randn(batch, kv_len, hkv, d, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    else:
+        k = torch.randn(batch, hkv, kv_len, d, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     mask = causal_lower_right(q_len, kv_len) if q_len > 1 else None
 
@@ -85,9 +93,12 @@ def main():
     results = {"gemm_tflops": gemm_tflops, "copy_tbps": copy_tbps, "shapes": {}}
     for name, shape in GQA_SHAPES.items():
         results["shapes"][name] = {}
-        for label, backend in BACKENDS.items():
+        runs = [(label, backend, False) for label, backend in BACKENDS.items()]
+        if "decode" in name:
+            runs.append(("cudnn_bshd", SDPBackend.CUDNN_ATTENTION, True))
+        for label, backend, token_major in runs:
             try:
-                us = gqa_anchor(backend, *shape)
+                us = gqa_anchor(backend, *shape, token_major=token_major)
             except RuntimeError as e:  # the backend does not take this shape
                 print(f"{name} {label}: unsupported ({str(e).splitlines()[0][:80]})")
                 continue

@@ -363,7 +363,7 @@ int Main(int argc, char** argv) {
       f << (i ? ", " : "") << "{\"name\": \"" << r.shape.name
         << "\", \"median_us\": " << r.median_us << ", \"tflops\": " << r.tflops
         << ", \"tbps\": " << r.tbps << ", \"items\": " << r.items
-        << ", \"chunk_len\": " << r.chunk_len << "}";
+        << ", \"chunk_len\": " << r.chunk_len << ", \"variant\": " << r.variant << "}";
     }
     f << "]}\n";
   }
