@@ -72,8 +72,9 @@ inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead int
 // page, per-tile reads above (as short prefills, kGqaPrefillOnDecodeKernel, do). Launches that
 // split keys copy K/V evict-first in L2 and run the wide split-KV merge as a programmatic
 // dependent launch (sm_90+); unsplit ones copy K/V as 0 and 1 do. On the H200: b1 x 16384
-// 36.5 -> 30.1 us, unsplit decodes unchanged (evict-first would cost them 4-5%). Numbered 5 as
-// when it was measured beside 2-4, 6 and 7, since removed (gqa_decode.cu has what they showed).
+// 36.5 -> 30.1 us, unsplit decodes unchanged (evict-first would cost them 3-5% after an L2
+// flush, and gain nothing from a clean L2). Numbered 5 as when it was measured beside 2-4, 6 and
+// 7, since removed (gqa_decode.cu has what they showed).
 inline constexpr int kGqaDecodeAdaptive = 5;
 inline constexpr bool IsGqaDecodeVariant(int v) {
   return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive;

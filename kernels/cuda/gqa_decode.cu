@@ -27,11 +27,13 @@
 //    CTA of a split launch is then resident) and wait for the attention's completion only before
 //    they read the partial rows.
 // Unsplit launches keep the plain copies. Their reads (1 GiB and more) dwarf any writebacks saved,
-// and evict-first added 4-5% there (b64 x 4096 at page size 1 266 -> 279 us, 40/10 b128 x 2048
-// 327 -> 339 us), for a reason not known: the SASS of the two copies differs only in the memory
-// descriptor (LDGSTS desc[UR]: createpolicy's constant in place of the driver's). A 256-byte L2
-// fetch hint (.L2::256B) gained nothing: with evict-first it ran as evict-first alone, and without
-// it as slowly (b64 x 4096 p1 277-279 us). Page ids, Q and the partial rows keep the normal policy.
+// and evict-first added 3-5% there (b64 x 4096 at page size 1 266 -> 279 us on the H200, 40/10
+// b128 x 2048 327 -> 339 us) when the L2 starts full of dirty lines, as after kernel_bench's flush
+// (and the peers' benchmarks'): Nsight Compute on the H100 (bench/RESULTS.md, 2026-12-06) shows
+// the same DRAM reads and fewer writebacks under evict-first, yet 3% more time, and from a clean
+// L2 the two level (within 0.5%). The streamed lines, first to go, seem to get only the ways the
+// dirty lines leave them. A 256-byte L2 fetch hint (.L2::256B) changed nothing. Page ids, Q and
+// the partial rows keep the normal policy.
 //
 // Prefills whose sequences each have at most 16 packed rows run here too
 // (kGqaPrefillOnDecodeKernel): the rows carry their causal limits, so nothing in the kernel is
