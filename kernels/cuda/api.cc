@@ -60,13 +60,14 @@ constexpr int kDefaultSm90MlaPrefill = kMlaSm90LateRightTma;
 // 32 heads fills one transposed tile's columns (kMlaSm90Narrow*), anything else the 64-row tiles.
 // The transposed kernels merge a split decode's chunks in clusters: the 16-head b64 x 4096 decode
 // 95.1 -> 90.8 us against the merge kernel. A wider decode streams each key tile from HBM once per
-// 64 heads and gains from its L2 prefetch (128 heads, b128 x 4096: 309 -> 296 us on the H100); a
-// prefill reads its tiles from L2 already and only pays for it (bench/RESULTS.md).
+// 64 heads, its CTA the only reader of its pages, and gains from touching them two tiles ahead
+// (128 heads, b128 x 4096: 316 -> 295 us on the H100); the page-64 prefill, whose items of one
+// sequence read the same pages together, only pays for it (bench/RESULTS.md).
 int DefaultSm90Mla(int num_heads, bool decode) {
   static_assert(kMlaSm90NarrowMaxHeads == 32);
   if (decode && num_heads <= 16) return kMlaSm90Narrow16Cluster;
   if (decode && num_heads <= 32) return kMlaSm90Narrow32Cluster;
-  if (decode) return kMlaSm90LateRightTmaPrefetch2;
+  if (decode) return kMlaSm90LateRightTmaTouch2;
   return kDefaultSm90MlaPrefill;
 }
 

@@ -82,7 +82,7 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
 // capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma (prefills),
-// kMlaSm90LateRightTmaPrefetch2, kMlaSm90Narrow16Cluster or kMlaSm90Narrow32Cluster (decodes)
+// kMlaSm90LateRightTmaTouch2, kMlaSm90Narrow16Cluster or kMlaSm90Narrow32Cluster (decodes)
 // where they run (kernels/cuda/sm90/mla_sm90.cu). The numbers are those the variants were measured
 // under; the schedules they beat on the H200 and H100 (10-14, 16, 17, 29-33) are gone, and
 // bench/RESULTS.md records each.
@@ -99,13 +99,14 @@ inline constexpr int kMlaSm90LateRightTma = 18;
 inline constexpr int kMlaSm90Narrow16Cluster = 22;
 inline constexpr int kMlaSm90Narrow32Cluster = 23;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
-// 18 with each key tile brought into L2 two tiles before its copies are issued: the default for
-// decodes of more than 32 heads (128 heads -4%; the prefills, whose copies come from L2 anyway,
-// +2.5-8%).
-inline constexpr int kMlaSm90LateRightTmaPrefetch2 = 28;
+// 18 with the pages of each key tile touched two tiles before its copies are issued (their
+// address translation done ahead): the default for decodes of more than 32 heads (128 heads -7%
+// on the H100; the page-64 prefill +3%). It replaced 28, which brought the whole tile into L2 and
+// was no faster.
+inline constexpr int kMlaSm90LateRightTmaTouch2 = 38;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16Cluster ||
-         v == kMlaSm90Narrow32Cluster || v == kMlaSm90LateRightTmaPrefetch2;
+         v == kMlaSm90Narrow32Cluster || v == kMlaSm90LateRightTmaTouch2;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

@@ -180,7 +180,7 @@ std::vector<int> DecodeVariants(int head_dim) {
 std::vector<int> MlaVariants(int num_heads) {
   std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90LateRightTma,
                                  cuda::kMlaSm90Narrow16Cluster, cuda::kMlaSm90Narrow32Cluster,
-                                 cuda::kMlaSm90LateRightTmaPrefetch2};
+                                 cuda::kMlaSm90LateRightTmaTouch2};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates = ParseList(list);
     for (int v : candidates) {

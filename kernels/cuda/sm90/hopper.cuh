@@ -98,10 +98,10 @@ __device__ __forceinline__ void CopyAsync16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 
-// Starts bringing `bytes` (a multiple of 16) at global `src` (16-byte aligned) into L2 and nowhere
-// else: for bytes a copy will read later, so that it finds them there.
-__device__ __forceinline__ void PrefetchL2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+// Brings the line at `src` into L2, translating its address on the way: touched ahead of the copies
+// that read its page, so that they find the translation done.
+__device__ __forceinline__ void PrefetchLineL2(const void* src) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src));
 }
 
 __device__ __forceinline__ void WaitAllCopies() {

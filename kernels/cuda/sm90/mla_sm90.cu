@@ -35,11 +35,15 @@
 // reads do not pay for the two CTAs waiting on each other's releases); each tile's keys split
 // between the two consumers, S, softmax and P V over their own 256 columns each (128 heads +13%,
 // the prefill +16%: the consumers' chain is not the bound); the L2 prefetch three tiles ahead
-// (level with none), and on the narrow kernel two or three ahead (+40-50%).
-// L2 prefetch (kPrefetchTiles, variant 28, the default for decodes of more than 32 heads): the
-// producer brings key tile t + 2 into L2 while it waits for the stage of tile t (128 heads 309
-// -> 296 us on the H100; the prefills, whose tiles other CTAs have mostly brought into L2
-// already, lose 2.5-8% to the extra instructions and requests).
+// (level with none), and on the narrow kernel two or three ahead (+40-50%); the whole tile t + 2
+// brought into L2 (variant 28: as fast as the touch below on the 128-head decode, 8% slower on
+// the seed).
+// Page touch (kTouchTiles, variant 38, the default for decodes of more than 32 heads): while the
+// producer waits for the stage of tile t it touches one line of each page run of tile t + 2
+// (prefetch.global.L2), so that the tile's address translation, not its bytes, is done before
+// its copies are issued: 128 heads 316 -> 295 us on the H100, the page-1 seed -2%; the 16-head
+// narrow kernel gained nothing from it, and the page-64 prefill, whose items of one sequence
+// read the same pages together, loses 3% to the producer's extra page-table reads.
 // Narrow variant (NarrowTraits, ConsumeNarrow below): for decodes of few heads, a transposed
 // kernel of two warpgroups whose GEMMs take the heads as their N side.
 // Rows past kv_end in a tile copy the range's last key again (real, finite data the mask hides;
@@ -78,8 +82,8 @@ constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
 constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is done
 
-// The 64-row kernel (ConsumeScores/ConsumeSecond), with kPrefetchTiles as Produce takes it.
-template <int kPrefetchTiles_ = 0>
+// The 64-row kernel (ConsumeScores/ConsumeSecond), with kTouchTiles as Produce takes it.
+template <int kTouchTiles_ = 0>
 struct Traits {
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
@@ -106,9 +110,9 @@ struct Traits {
   // halves, the score warpgroup's (V's left columns and the rope block) after its P V and the rest
   // after warpgroup 2's, and S reads the blocks in the order they are refilled: 0-3, 8, 4-7.
   static constexpr bool kLateRight = true;
-  // Key tile t + kPrefetchTiles brought into L2 while the producer waits to issue tile t's copies
-  // (Produce), so that those copies find it there: 0 for none.
-  static constexpr int kPrefetchTiles = kPrefetchTiles_;
+  // The pages of key tile t + kTouchTiles touched while the producer waits to issue tile t's
+  // copies (Produce), so that their translation is done when those are issued: 0 for none.
+  static constexpr int kTouchTiles = kTouchTiles_;
   // setmaxnreg's split (ptxas spills nothing at these): the score warpgroup holds S twice (two
   // chains of k-steps) and its partner neither.
   static constexpr int kProducerRegisters = 56;
@@ -219,36 +223,33 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   };
   Lookup current;
   lookup(0, current);
-  // kPrefetchTiles: lane i < kBlockN takes row i of tile t + kPrefetchTiles where a run of the
-  // tile's rows within one page starts (every row at page size 1, the tile's first alone where a
-  // page holds it): one L2 prefetch for the run. Its page id is read an iteration before.
-  struct PrefetchRun {
+  // kTouchTiles: lane i < kBlockN takes row i of tile t + kTouchTiles where a run of the tile's
+  // rows within one page starts (every row at page size 1, the tile's first alone where a page
+  // holds it) and touches its first line. Its page id is read an iteration before.
+  struct Touch {
     int32_t page_id;
     int slot;
-    int rows;  // 0: nothing for this lane
+    bool used;
   };
-  auto prefetch_run = [&](int t) {
-    PrefetchRun r{0, 0, 0};
+  auto touch_of = [&](int t) {
+    Touch r{0, 0, false};
     const int key0 = w.item.kv_begin + t * kBlockN;
     const int key = key0 + tid;
-    const int end = min(key0 + kBlockN, w.item.kv_end);
-    if (T::kPrefetchTiles == 0 || tid >= kBlockN || t >= w.num_tiles || key >= end) return r;
+    if (T::kTouchTiles == 0 || tid >= kBlockN || t >= w.num_tiles) return r;
+    if (key >= min(key0 + kBlockN, w.item.kv_end)) return r;
     int page;
     rows.PageSlot(key, &page, &r.slot);
     if (r.slot != 0 && key != key0) return r;
-    r.rows = min(page_size - r.slot, end - key);
     r.page_id = rows.pages[page];
+    r.used = true;
     return r;
   };
-  PrefetchRun prefetch = prefetch_run(T::kPrefetchTiles);
+  Touch touch = touch_of(T::kTouchTiles);
   for (int t = 0; t < w.num_tiles; ++t) {
     const int stage = t % T::kStages;
-    if constexpr (T::kPrefetchTiles > 0) {
-      if (prefetch.rows > 0) {
-        PrefetchL2(rows.base + rows.OffsetIn(prefetch.page_id, prefetch.slot),
-                   prefetch.rows * kMlaTokenDim * 2);
-      }
-      prefetch = prefetch_run(t + 1 + T::kPrefetchTiles);
+    if constexpr (T::kTouchTiles > 0) {
+      if (touch.used) PrefetchLineL2(rows.base + rows.OffsetIn(touch.page_id, touch.slot));
+      touch = touch_of(t + 1 + T::kTouchTiles);
     }
     Lookup next;
     lookup(t + 1, next);  // the page-table reads fly while this tile is issued
@@ -608,7 +609,7 @@ struct NarrowTraits {
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
   static constexpr bool kLateRight = false;
-  static constexpr int kPrefetchTiles = 0;  // as Traits'
+  static constexpr int kTouchTiles = 0;  // as Traits'
   // cp.async, not TMA, at every page size: 1.5-1.8 us faster at 16 heads on the H200 (93.4 against
   // 95.0 us, bench/RESULTS.md).
   static constexpr bool kTma = false;
@@ -1094,7 +1095,7 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<16>>());
     case kMlaSm90Narrow32Cluster:
       return fn(Config<NarrowTraits<32>>());
-    case kMlaSm90LateRightTmaPrefetch2:
+    case kMlaSm90LateRightTmaTouch2:
       return fn(Config<Traits<2>>());
     default:
       return cudaErrorInvalidValue;
