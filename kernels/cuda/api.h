@@ -84,7 +84,7 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 // capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma (prefills),
 // kMlaSm90LateRightTmaTouch2, kMlaSm90Narrow16Cluster or kMlaSm90Narrow32Cluster (decodes)
 // where they run (kernels/cuda/sm90/mla_sm90.cu). The numbers are those the variants were measured
-// under; the schedules they beat on the H200 and H100 (10-14, 16, 17, 29-33) are gone, and
+// under; the schedules they beat on the H200 and H100 (10-14, 16, 17, 28-33) are gone, and
 // bench/RESULTS.md records each.
 inline constexpr int kMlaPortable = 0;
 // 64-row tiles: S in two chains of k-steps, whole 64-key tiles by TMA where the page size is a
