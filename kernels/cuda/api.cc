@@ -56,29 +56,31 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
 // 272.8 us (bench/RESULTS.md).
 constexpr int kDefaultSm90MlaPrefill = kMlaSm90LateRightTma;
 
-// The Hopper MLA variant the default selects for a launch of num_heads heads: a decode of at most
-// 32 heads fills one transposed tile's columns (kMlaSm90Narrow*), anything else the 64-row tiles.
-// The transposed kernels merge a split decode's chunks in clusters: the 16-head b64 x 4096 decode
-// 95.1 -> 90.8 us against the merge kernel. A wider decode streams each key tile from HBM once per
-// 64 heads, its CTA the only reader of its pages, and gains from touching them two tiles ahead
-// (128 heads, b128 x 4096: 316 -> 295 us on the H100); the page-64 prefill, whose items of one
-// sequence read the same pages together, only pays for it (bench/RESULTS.md).
-int DefaultSm90Mla(int num_heads, bool decode) {
+// The Hopper MLA variant the default selects for a launch of num_heads heads on pages of
+// page_size keys: a decode of at most 32 heads fills one transposed tile's columns
+// (kMlaSm90Narrow*), anything else the 64-row tiles. The transposed kernels merge a split decode's
+// chunks in clusters: the 16-head b64 x 4096 decode 95.1 -> 90.8 us against the merge kernel.
+// Where key tiles come by cp.async (pages smaller than a tile, or not a multiple of it) and in
+// every wider decode, the CTA waits on each new page's address translation, and touching the
+// pages two tiles ahead pays: 128 heads, b128 x 4096, 316 -> 295 us on the H100, the page-1 seed
+// -2 to -2.5%. A prefill's TMA tiles (page sizes that are multiples of 64), whose items of one
+// sequence read the same pages together, only pay for the touch (+3%; bench/RESULTS.md).
+int DefaultSm90Mla(int num_heads, int page_size, bool decode) {
   static_assert(kMlaSm90NarrowMaxHeads == 32);
   if (decode && num_heads <= 16) return kMlaSm90Narrow16Cluster;
   if (decode && num_heads <= 32) return kMlaSm90Narrow32Cluster;
-  if (decode) return kMlaSm90LateRightTmaTouch2;
+  if (decode || page_size % kMlaSm90KeyTile != 0) return kMlaSm90LateRightTmaTouch2;
   return kDefaultSm90MlaPrefill;
 }
 
 // Resolves an MLA variant for the current device as ResolvePrefillVariant does.
-cudaError_t ResolveMlaVariant(int num_heads, bool decode, int* variant) {
+cudaError_t ResolveMlaVariant(int num_heads, int page_size, bool decode, int* variant) {
   bool sm90 = false;
 #ifdef ATTN_HAVE_SM90
   if (*variant < 0 || IsMlaSm90Variant(*variant)) ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(&sm90));
 #endif
   if (IsMlaSm90Variant(*variant) && !sm90) return cudaErrorNotSupported;
-  if (*variant < 0) *variant = sm90 ? DefaultSm90Mla(num_heads, decode) : kMlaPortable;
+  if (*variant < 0) *variant = sm90 ? DefaultSm90Mla(num_heads, page_size, decode) : kMlaPortable;
   return cudaSuccess;
 }
 
@@ -110,9 +112,10 @@ cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling) {
   return GetGqaTiling(head_dim, false, tiling);
 }
 
-cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling) {
+cudaError_t GetMlaTiling(int num_heads, int page_size, bool decode, KernelTiling* tiling) {
+  if (page_size <= 0) return cudaErrorInvalidValue;
   ATTN_CUDA_RETURN_IF_ERROR(CountSms(tiling));
-  ATTN_CUDA_RETURN_IF_ERROR(ResolveMlaVariant(num_heads, decode, &tiling->variant));
+  ATTN_CUDA_RETURN_IF_ERROR(ResolveMlaVariant(num_heads, page_size, decode, &tiling->variant));
 #ifdef ATTN_HAVE_SM90
   if (IsMlaSm90Variant(tiling->variant)) {
     return MlaSm90Tiling(tiling->variant, num_heads, decode, tiling);

@@ -81,17 +81,19 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
-// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma (prefills),
-// kMlaSm90LateRightTmaTouch2, kMlaSm90Narrow16Cluster or kMlaSm90Narrow32Cluster (decodes)
-// where they run (kernels/cuda/sm90/mla_sm90.cu). The numbers are those the variants were measured
-// under; the schedules they beat on the H200 and H100 (10-14, 16, 17, 28-33) are gone, and
-// bench/RESULTS.md records each.
+// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma (prefills on TMA
+// tiles), kMlaSm90LateRightTmaTouch2 (other prefills and wide decodes), kMlaSm90Narrow16Cluster or
+// kMlaSm90Narrow32Cluster (decodes of few heads) where they run (kernels/cuda/sm90/mla_sm90.cu).
+// The numbers are those the variants were measured under; the schedules they beat on the H200 and
+// H100 (10-14, 16, 17, 28-33) are gone, and bench/RESULTS.md records each.
 inline constexpr int kMlaPortable = 0;
 // 64-row tiles: S in two chains of k-steps, whole 64-key tiles by TMA where the page size is a
 // multiple of 64 (elsewhere cp.async), the second consumer's P V deferred until the first's is
 // done (beside the end of the next S and under the softmax after it), each stage released by
 // halves.
 inline constexpr int kMlaSm90LateRightTma = 18;
+// Keys per tile of the 64-row kernels: their tiles come by TMA where the page size is a multiple.
+inline constexpr int kMlaSm90KeyTile = 64;
 // Transposed for few heads: keys and output columns as wgmma's M, 16 or 32 heads (packed rows) as
 // its N, so a decode of 8-32 heads does no tensor work on padding rows; a split decode's chunks
 // of a row tile run as one cluster that merges them in distributed shared memory instead of a
@@ -100,8 +102,9 @@ inline constexpr int kMlaSm90Narrow16Cluster = 22;
 inline constexpr int kMlaSm90Narrow32Cluster = 23;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
 // 18 with the pages of each key tile touched two tiles before its copies are issued (their
-// address translation done ahead): the default for decodes of more than 32 heads (128 heads -7%
-// on the H100; the page-64 prefill +3%). It replaced 28, which brought the whole tile into L2 and
+// address translation done ahead): the default for decodes of more than 32 heads and for
+// prefills whose tiles come by cp.async (128 heads -7% and the page-1 seed -2% on the H100; the
+// page-64 prefill, on TMA tiles, +3%). It replaced 28, which brought the whole tile into L2 and
 // was no faster.
 inline constexpr int kMlaSm90LateRightTmaTouch2 = 38;
 inline constexpr bool IsMlaSm90Variant(int v) {
@@ -160,7 +163,8 @@ struct KernelTiling {
 cudaError_t GetGqaTiling(int head_dim, bool decode, KernelTiling* tiling);
 // Tiling of kGqaPrefillOnDecodeKernel, for LaunchOptions::short_prefill.
 cudaError_t GetGqaShortPrefillTiling(int head_dim, KernelTiling* tiling);
-cudaError_t GetMlaTiling(int num_heads, bool decode, KernelTiling* tiling);
+// MLA: the default variant depends on the cache's page size too (api.cc, DefaultSm90Mla).
+cudaError_t GetMlaTiling(int num_heads, int page_size, bool decode, KernelTiling* tiling);
 
 // The planner's configuration for a launch of `params` with `tiling`; the workspace holds
 // max_partial_rows rows.

@@ -177,7 +177,7 @@ std::vector<int> DecodeVariants(int head_dim) {
 // ones where they run and take that many heads, or those ATTN_TEST_MLA_VARIANTS lists ("0,18": to
 // bisect a failing variant on the GPU). A listed number that names no variant fails the test, as
 // in CheckedPrefillVariants.
-std::vector<int> MlaVariants(int num_heads) {
+std::vector<int> MlaVariants(const MlaGeometry& g) {
   std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90LateRightTma,
                                  cuda::kMlaSm90Narrow16Cluster, cuda::kMlaSm90Narrow32Cluster,
                                  cuda::kMlaSm90LateRightTmaTouch2};
@@ -188,8 +188,9 @@ std::vector<int> MlaVariants(int num_heads) {
           << "ATTN_TEST_MLA_VARIANTS names " << v << ", no MLA variant of kernels/cuda/api.h";
     }
   }
-  return AcceptedVariants(
-      candidates, [&](cuda::KernelTiling* t) { return cuda::GetMlaTiling(num_heads, false, t); });
+  return AcceptedVariants(candidates, [&](cuda::KernelTiling* t) {
+    return cuda::GetMlaTiling(g.num_heads, g.page_size, false, t);
+  });
 }
 
 // One kernel variant's results for a batch.
@@ -242,7 +243,7 @@ void RunGqa(const GqaGeometry& g, const Case& c, const std::vector<int>& variant
 }
 
 void RunMla(const MlaGeometry& g, const Case& c) {
-  const std::vector<int> variants = MlaVariants(g.num_heads);
+  const std::vector<int> variants = MlaVariants(g);
   std::mt19937_64 rng(Seed());
   MlaHostBatch host = MakeMlaBatch(g, c.seqs, c.options, rng);
   std::vector<Got> got;
@@ -362,6 +363,15 @@ TEST_F(KernelTest, GqaDecodeSweep) {
   }
 }
 
+// The default variant depends on the page size, which comes from a pool's geometry: none is
+// chosen for a cache without pages (no device needed).
+TEST(MlaTilingTest, RejectsPagesWithoutKeys) {
+  for (int page_size : {0, -64}) {
+    cuda::KernelTiling tiling;
+    EXPECT_EQ(cuda::GetMlaTiling(16, page_size, false, &tiling), cudaErrorInvalidValue);
+  }
+}
+
 TEST_F(KernelTest, MlaSweep) {
   for (int heads : {8, 16, 32, 64, 128}) {
     for (int page_size : {1, 16, 64, 5}) {
@@ -435,7 +445,7 @@ void RunMlaOverflow(const MlaGeometry& g, const OverflowCase& c) {
     std::mt19937_64 rng(Seed());
     MlaHostBatch host = MakeMlaBatch(g, c.seqs, c.options, rng);
     MakeLogitsOverflow(how, &host);
-    for (int v : MlaVariants(g.num_heads)) {
+    for (int v : MlaVariants(g)) {
       SCOPED_TRACE(::testing::Message()
                    << c.name << " overflow " << static_cast<int>(how) << " variant " << v);
       std::unique_ptr<DeviceBatch> device;

@@ -91,7 +91,7 @@ cudaError_t DeviceBatch::Create(MlaHostBatch& host, std::unique_ptr<DeviceBatch>
   cuda::KernelTiling tiling;
   tiling.variant = variant;
   ATTN_CUDA_RETURN_IF_ERROR(
-      cuda::GetMlaTiling(host.geometry.num_heads, host.table.decode, &tiling));
+      cuda::GetMlaTiling(host.geometry.num_heads, cache.page_size, host.table.decode, &tiling));
   d->launch_.PlanMla(cache, host.geometry.num_heads, host.table.View(),
                      Options(!host.ckv_new.empty(), !host.lse.empty(), host.sm_scale, host.causal,
                              tiling, overrides));

@@ -232,9 +232,10 @@ class CudaLane final : public Lane {
     RETURN_IF_CUDA_ERROR(state_, cudaMalloc(&workspace_, workspace_bytes_));
     const PoolGeometry& g = pool_.geometry;
     const bool decode = op_ == Op::kDecode;
-    RETURN_IF_CUDA_ERROR(state_, g.kind == PoolKind::kGqa
-                                     ? cuda::GetGqaTiling(g.head_dim, decode, &tiling_)
-                                     : cuda::GetMlaTiling(g.num_qo_heads, decode, &tiling_));
+    RETURN_IF_CUDA_ERROR(state_,
+                         g.kind == PoolKind::kGqa
+                             ? cuda::GetGqaTiling(g.head_dim, decode, &tiling_)
+                             : cuda::GetMlaTiling(g.num_qo_heads, g.page_size, decode, &tiling_));
     if (g.kind == PoolKind::kGqa && !decode) {
       RETURN_IF_CUDA_ERROR(state_, cuda::GetGqaShortPrefillTiling(g.head_dim, &short_prefill_));
     }

@@ -97,7 +97,7 @@ struct Traits {
   static constexpr int kQBytes = kColumnBlocks * kQBlockBytes;  // 72 KiB
   static constexpr int kPBytes = kBlockM * 64 * 2;  // P, bf16, one column block (up to 64 keys)
   static constexpr int kRowFloats = 3 * kBlockM;    // per row: rescale factor, final max, final sum
-  static constexpr int kBlockN = 64;                // keys per tile
+  static constexpr int kBlockN = kMlaSm90KeyTile;   // keys per tile
   static constexpr int kStages = 2;
   // Key tiles that lie whole in one page and inside the item's range come by TMA (one thread,
   // 9 boxes of 64 rows x 128 bytes) where the page size is a multiple of 64; the rest by
