@@ -49,27 +49,47 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
   return cudaSuccess;
 }
 
-// The Hopper MLA variant the default selects for prefills: S in two chains with TMA key tiles at
+// The Hopper MLA variant the default selects for prefills on TMA tiles and for wide decodes where
+// HBM is fast (DefaultSm90Mla): S in two chains with TMA key tiles at
 // page sizes that are multiples of 64 (elsewhere cp.async), the second consumer's P V issued once
 // the first's is done. Beside 13 (the same without the late right half) in one H200 run: the
 // 16-head prefill 988 -> 924 us, the 128-head decode 284.6 -> 274.2 us, the page-1 seed 276.5 ->
 // 272.8 us (bench/RESULTS.md).
 constexpr int kDefaultSm90MlaPrefill = kMlaSm90LateRightTma;
 
+// Peak HBM bandwidth of the current device per SM, bytes a second (two transfers a memory clock).
+cudaError_t HbmBandwidthPerSm(double* bytes_per_second) {
+  int device = 0, khz = 0, bits = 0, sms = 0;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  ATTN_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  *bytes_per_second = sms > 0 ? 2.0 * khz * 1e3 * (bits / 8) / sms : 0.0;
+  return cudaSuccess;
+}
+
+// Below this share of HBM per SM a wide MLA decode waits on memory more than on its tensor work
+// (DefaultSm90Mla): the H100 SXM has 25 GB/s an SM, the H200 36.
+constexpr double kLeanHbmPerSm = 30e9;
+
 // The Hopper MLA variant the default selects for a launch of num_heads heads on pages of
-// page_size keys: a decode of at most 32 heads fills one transposed tile's columns
-// (kMlaSm90Narrow*), anything else the 64-row tiles. The transposed kernels merge a split decode's
-// chunks in clusters: the 16-head b64 x 4096 decode 95.1 -> 90.8 us against the merge kernel.
-// Where key tiles come by cp.async (pages smaller than a tile, or not a multiple of it) and in
-// every wider decode, the CTA waits on each new page's address translation, and touching the
-// pages two tiles ahead pays: 128 heads, b128 x 4096, 316 -> 295 us on the H100, the page-1 seed
-// -2 to -2.5%. A prefill's TMA tiles (page sizes that are multiples of 64), whose items of one
-// sequence read the same pages together, only pay for the touch (+3%; bench/RESULTS.md).
-int DefaultSm90Mla(int num_heads, int page_size, bool decode) {
+// page_size keys, on a device with hbm_per_sm bytes a second of HBM per SM: a decode of at most
+// 32 heads fills one transposed tile's columns (kMlaSm90Narrow*), anything else the 64-row tiles.
+// The transposed kernels merge a split decode's chunks in clusters: the 16-head b64 x 4096 decode
+// 95.1 -> 90.8 us against the merge kernel (89 us since each stage is released early).
+// Touching the pages of a key tile two tiles ahead (38) removes the wait on each new page's
+// address translation where the CTA is its pages' only reader and waits on memory: the page-1
+// seed (cp.async tiles; -2% on the H100 and the H200) and the 128-head decode on the H100 (316 ->
+// 295 us). On the H200, with 1.4x the HBM per SM, that decode waits on its tensor work instead,
+// and the touch's producer work costs it 1.7% (18: 275 us, 38: 280). A prefill's TMA tiles (page
+// sizes that are multiples of 64), whose items of one sequence read the same pages together, only
+// pay for the touch (+3%; bench/RESULTS.md has each).
+int DefaultSm90Mla(int num_heads, int page_size, bool decode, double hbm_per_sm) {
   static_assert(kMlaSm90NarrowMaxHeads == 32);
-  if (decode && num_heads <= 16) return kMlaSm90Narrow16Cluster;
-  if (decode && num_heads <= 32) return kMlaSm90Narrow32Cluster;
-  if (decode || page_size % kMlaSm90KeyTile != 0) return kMlaSm90LateRightTmaTouch2;
+  if (decode && num_heads <= 16) return kMlaSm90Narrow16;
+  if (decode && num_heads <= 32) return kMlaSm90Narrow32;
+  if (page_size % kMlaSm90KeyTile != 0) return kMlaSm90LateRightTmaTouch2;
+  if (decode && hbm_per_sm < kLeanHbmPerSm) return kMlaSm90LateRightTmaTouch2;
   return kDefaultSm90MlaPrefill;
 }
 
@@ -80,7 +100,12 @@ cudaError_t ResolveMlaVariant(int num_heads, int page_size, bool decode, int* va
   if (*variant < 0 || IsMlaSm90Variant(*variant)) ATTN_CUDA_RETURN_IF_ERROR(DeviceRunsSm90a(&sm90));
 #endif
   if (IsMlaSm90Variant(*variant) && !sm90) return cudaErrorNotSupported;
-  if (*variant < 0) *variant = sm90 ? DefaultSm90Mla(num_heads, page_size, decode) : kMlaPortable;
+  if (*variant < 0 && !sm90) *variant = kMlaPortable;
+  if (*variant < 0) {
+    double hbm_per_sm = 0;
+    ATTN_CUDA_RETURN_IF_ERROR(HbmBandwidthPerSm(&hbm_per_sm));
+    *variant = DefaultSm90Mla(num_heads, page_size, decode, hbm_per_sm);
+  }
   return cudaSuccess;
 }
 

@@ -82,10 +82,11 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
 // capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma (prefills on TMA
-// tiles), kMlaSm90LateRightTmaTouch2 (other prefills and wide decodes), kMlaSm90Narrow16Cluster or
-// kMlaSm90Narrow32Cluster (decodes of few heads) where they run (kernels/cuda/sm90/mla_sm90.cu).
-// The numbers are those the variants were measured under; the schedules they beat on the H200 and
-// H100 (10-14, 16, 17, 28-33) are gone, and bench/RESULTS.md records each.
+// tiles, wide decodes where HBM is fast), kMlaSm90LateRightTmaTouch2 (other prefills and wide
+// decodes), kMlaSm90Narrow16 or kMlaSm90Narrow32 (decodes of few heads) where they run
+// (kernels/cuda/sm90/mla_sm90.cu; api.cc's DefaultSm90Mla says why). The numbers are those the
+// variants were measured under; the schedules they beat on the H200 and H100 (10-14, 16, 17, 22,
+// 23, 28-33) are gone, and bench/RESULTS.md records each.
 inline constexpr int kMlaPortable = 0;
 // 64-row tiles: S in two chains of k-steps, whole 64-key tiles by TMA where the page size is a
 // multiple of 64 (elsewhere cp.async), the second consumer's P V deferred until the first's is
@@ -97,19 +98,20 @@ inline constexpr int kMlaSm90KeyTile = 64;
 // Transposed for few heads: keys and output columns as wgmma's M, 16 or 32 heads (packed rows) as
 // its N, so a decode of 8-32 heads does no tensor work on padding rows; a split decode's chunks
 // of a row tile run as one cluster that merges them in distributed shared memory instead of a
-// merge kernel.
-inline constexpr int kMlaSm90Narrow16Cluster = 22;
-inline constexpr int kMlaSm90Narrow32Cluster = 23;
+// merge kernel; each key stage is released as soon as the P V that read it is done.
+inline constexpr int kMlaSm90Narrow16 = 39;
+inline constexpr int kMlaSm90Narrow32 = 40;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
 // 18 with the pages of each key tile touched two tiles before its copies are issued (their
-// address translation done ahead): the default for decodes of more than 32 heads and for
-// prefills whose tiles come by cp.async (128 heads -7% and the page-1 seed -2% on the H100; the
-// page-64 prefill, on TMA tiles, +3%). It replaced 28, which brought the whole tile into L2 and
+// address translation done ahead): the default for prefills whose tiles come by cp.async and for
+// decodes of more than 32 heads on devices with little HBM per SM (the page-1 seed -2% on the
+// H100 and the H200, 128 heads -7% on the H100 but +1.7% on the H200; the page-64 prefill, on TMA
+// tiles, +3%). It replaced 28, which brought the whole tile into L2 and
 // was no faster.
 inline constexpr int kMlaSm90LateRightTmaTouch2 = 38;
 inline constexpr bool IsMlaSm90Variant(int v) {
-  return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16Cluster ||
-         v == kMlaSm90Narrow32Cluster || v == kMlaSm90LateRightTmaTouch2;
+  return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 ||
+         v == kMlaSm90LateRightTmaTouch2;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

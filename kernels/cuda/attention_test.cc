@@ -179,7 +179,7 @@ std::vector<int> DecodeVariants(int head_dim) {
 // in CheckedPrefillVariants.
 std::vector<int> MlaVariants(const MlaGeometry& g) {
   std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90LateRightTma,
-                                 cuda::kMlaSm90Narrow16Cluster, cuda::kMlaSm90Narrow32Cluster,
+                                 cuda::kMlaSm90Narrow16, cuda::kMlaSm90Narrow32,
                                  cuda::kMlaSm90LateRightTmaTouch2};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates = ParseList(list);

@@ -580,8 +580,11 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
 // it takes at most kMlaSm90NarrowMaxHeads heads, and the default takes it for decodes (api.cc).
 // On the H200 (bench/RESULTS.md): 16 heads, b64 x 4096, 102 -> 93 us; in the kernel DRAM at
 // 3.67 TB/s (76%) and L2 at 87% of its peak (ncu), and the two chunks' merge takes ~5 us more.
-// Tried and dropped: TMA tiles (1.5 us slower), 56-key tiles in three stages to keep more bytes
-// in flight (1.4 us faster at equal chunking: the ring's depth is not what holds the kernel),
+// Per SM it streams as fast as the GQA decode does (ncu on the H100: 21 against 22 GB/s of DRAM
+// reads an SM, the same L2 traffic per byte); the whole is slower partly for the 4 SMs its 128
+// CTAs leave idle. Tried and dropped: TMA tiles (1.5 us slower; 2.5-3.5% slower with the early
+// release below), 56-key tiles in three stages to keep more bytes in flight (1.4 us faster at
+// equal chunking: the ring's depth is not what holds the kernel),
 // launching the merge as a programmatic dependent (no change), the merge done by each
 // sequence's last chunk to finish instead of a merge kernel (counters in the workspace; the
 // kernel ran 94 us against 82 + 5 for the two: the merge lands in the one wave's tail).
@@ -798,25 +801,26 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
     WgmmaWait<0>();
     PinRegisters(acc);
     softmax(0);
-    // P V of tile t, then (kMore) S of tile t + 1 on the other stage: tile t's stage is released
-    // as soon as P V is done, S of tile t + 1 runs meanwhile. Every warp passes the wait for P V
-    // before the next tile's maximum barrier, so P^T is not overwritten under a running GEMM.
-    // The last tile is peeled off (no GEMM issued conditionally: see ConsumeScores).
+    // P V of tile t, waited for, then (kMore) S of tile t + 1 on the other stage. Tile t's stage
+    // is released as soon as P V is done, before S of tile t + 1, whose issue waits for each of
+    // that tile's blocks: released after it (P V and S overlapping), tile t + 2's copies could
+    // not start before tile t + 1 had landed, one tile in flight at a time (2% slower on the
+    // H200, level on the H100: bench/RESULTS.md; the tensor work is a third of the copy time).
+    // Every warp passes the wait for P V before the next tile's maximum barrier, so P^T is not
+    // overwritten under a running GEMM. The last tile is peeled off (no GEMM issued
+    // conditionally: see ConsumeScores).
     auto step = [&](int t, auto more) {
       constexpr bool kMore = decltype(more)::value;
       WgmmaFence();
       issue_pv(t);
       WgmmaCommit();
-      if constexpr (kMore) {
-        issue_s(t + 1);
-        WgmmaCommit();
-        WgmmaWait<1>();
-      } else {
-        WgmmaWait<0>();
-      }
+      WgmmaWait<0>();
       pin_o();
       Release(s, t, lane);
       if constexpr (kMore) {
+        WgmmaFence();
+        issue_s(t + 1);
+        WgmmaCommit();
         WgmmaWait<0>();
         PinRegisters(acc);
         softmax(t + 1);
@@ -1091,9 +1095,9 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
   switch (variant) {
     case kMlaSm90LateRightTma:
       return fn(Config<Traits<>>());
-    case kMlaSm90Narrow16Cluster:
+    case kMlaSm90Narrow16:
       return fn(Config<NarrowTraits<16>>());
-    case kMlaSm90Narrow32Cluster:
+    case kMlaSm90Narrow32:
       return fn(Config<NarrowTraits<32>>());
     case kMlaSm90LateRightTmaTouch2:
       return fn(Config<Traits<2>>());
