@@ -96,7 +96,7 @@ struct DecodeTraits {
 
 template <int kHeadDim, int kKernel>
 __global__ void __launch_bounds__(kThreads)
-    GqaDecodeKernel(const GqaParams p, const WorkItem* __restrict__ items, const RowSink sink) {
+    GqaDecodeKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items, const RowSink sink) {
   using T = DecodeTraits<kHeadDim, kKernel>;
   constexpr int kStages = T::kStages;
   using Tile = typename T::Tile;
@@ -109,10 +109,11 @@ __global__ void __launch_bounds__(kThreads)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
-  const WorkItem item = items[cta.item];
+  const DeviceWorkItem& planned = items[cta.item];
+  const WorkItem item = planned.item;
   const int kv_head = cta.head;
   const int group = p.num_qo_heads / p.cache.num_kv_heads;
-  const SeqExtent seq = GetSeqExtent(p.batch, p.cache.page_size, item.seq);
+  const SeqExtent seq = ExtentOf(planned, p.batch);
   const int num_rows = seq.q_len * group;
 
   Tile::template LoadPackedQuery<kBlockM, kThreads>(s_q, p, seq, item.row_begin, num_rows, kv_head,

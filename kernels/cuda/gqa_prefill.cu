@@ -36,7 +36,7 @@ struct PrefillTraits {
 
 template <int kHeadDim, int kWarps, int kMTiles, int kBlockN>
 __global__ void __launch_bounds__(kWarps * 32)
-    GqaPrefillKernel(const GqaParams p, const WorkItem* __restrict__ items, const RowSink sink) {
+    GqaPrefillKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items, const RowSink sink) {
   using T = PrefillTraits<kHeadDim, kWarps, kMTiles, kBlockN>;
   using Tile = typename T::Tile;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -47,10 +47,11 @@ __global__ void __launch_bounds__(kWarps * 32)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
-  const WorkItem item = items[cta.item];
+  const DeviceWorkItem& planned = items[cta.item];
+  const WorkItem item = planned.item;
   const int kv_head = cta.head;
   const int group = p.num_qo_heads / p.cache.num_kv_heads;
-  const SeqExtent seq = GetSeqExtent(p.batch, p.cache.page_size, item.seq);
+  const SeqExtent seq = ExtentOf(planned, p.batch);
   const int num_rows = seq.q_len * group;
 
   Tile::template LoadPackedQuery<T::kBlockM, T::kThreads>(s_q, p, seq, item.row_begin, num_rows,

@@ -161,7 +161,7 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   inputs_.kv_indices = in.Add(Int32s(batch.kv_indptr[n]));
   inputs_.kv_last_page_len = in.Add(Int32s(n));
   inputs_.seq_layer = in.Add(batch.seq_layer ? Int32s(n) : 0);
-  inputs_.items = in.Add(plan_.items.size() * sizeof(WorkItem));
+  inputs_.items = in.Add(plan_.items.size() * sizeof(DeviceWorkItem));
   inputs_.merges = in.Add(plan_.merges.size() * sizeof(MergeRow));
   inputs_.call_rows = in.Add(num_calls_ > 0 ? Int32s(num_calls_ + 1) : 0);
   inputs_.bytes = in.size();
@@ -237,7 +237,12 @@ void LaunchPlan::WriteIndices(void* host_inputs, bool per_launch_only) const {
   Put(h, inputs_.kv_indptr, host_batch_.kv_indptr);
   Put(h, inputs_.kv_indices, host_batch_.kv_indices);
   Put(h, inputs_.kv_last_page_len, host_batch_.kv_last_page_len);
-  Put(h, inputs_.items, plan_.items.data());
+  for (size_t i = 0; i < plan_.items.size(); ++i) {
+    const WorkItem& w = plan_.items[i];
+    const SeqExtent e = GetSeqExtent(host_batch_, planned_.page_size, w.seq);
+    const DeviceWorkItem item{w, e.q_begin, e.q_len, e.page_begin, e.num_pages, e.kv_len};
+    std::memcpy(h + inputs_.items.offset + i * sizeof(item), &item, sizeof(item));
+  }
   Put(h, inputs_.merges, plan_.merges.data());
   Put(h, inputs_.call_rows, call_rows_);
 }
@@ -277,7 +282,7 @@ cudaError_t LaunchPlan::Bind(const void* device_inputs, void* device_outputs, vo
     p.lse = lse;
   }
 
-  device_plan_.items = InputAt<WorkItem>(d, inputs_.items);
+  device_plan_.items = InputAt<DeviceWorkItem>(d, inputs_.items);
   device_plan_.num_items = static_cast<int>(plan_.items.size());
   device_plan_.merges = InputAt<MergeRow>(d, inputs_.merges);
   device_plan_.num_merges = static_cast<int>(plan_.merges.size());

@@ -58,7 +58,7 @@ struct InputLayout {
   StagingSection kv_indices;        // int32 [kv_indptr[batch_size]]
   StagingSection kv_last_page_len;  // int32 [batch_size] (a trailing extra entry is dropped)
   StagingSection seq_layer;         // int32 [batch_size] (when the batch has one)
-  StagingSection items;             // WorkItem [plan().items.size()]
+  StagingSection items;             // DeviceWorkItem [plan().items.size()]
   StagingSection merges;            // MergeRow [plan().merges.size()]
   StagingSection call_rows;         // int32 [num_calls + 1] (LaunchOptions::call_rows)
   size_t bytes = 0;                 // the whole buffer

@@ -113,7 +113,7 @@ TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
   EXPECT_EQ(in.kv_indices.bytes, 7u * 4);
   EXPECT_EQ(in.kv_last_page_len.bytes, 2u * 4);
   EXPECT_EQ(in.seq_layer.bytes, 0u);
-  EXPECT_EQ(in.items.bytes, plan.plan().items.size() * sizeof(WorkItem));
+  EXPECT_EQ(in.items.bytes, plan.plan().items.size() * sizeof(DeviceWorkItem));
   ExpectPacked({in.q, in.q_pe, in.k_new, in.v_new, in.qo_indptr, in.kv_indptr, in.kv_indices,
                 in.kv_last_page_len, in.seq_layer, in.items, in.merges},
                in.bytes);
@@ -126,9 +126,19 @@ TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
   EXPECT_EQ(Read<int32_t>(host, in.kv_indptr), t.kv_indptr);
   EXPECT_EQ(Read<int32_t>(host, in.kv_indices), t.kv_indices);
   EXPECT_EQ(Read<int32_t>(host, in.kv_last_page_len), (std::vector<int32_t>{4, 1}));
-  const std::vector<WorkItem> items = Read<WorkItem>(host, in.items);
+  // Each item with its sequence's extent, as the kernels read them.
+  const std::vector<DeviceWorkItem> items = Read<DeviceWorkItem>(host, in.items);
   ASSERT_EQ(items.size(), plan.plan().items.size());
-  EXPECT_EQ(std::memcmp(items.data(), plan.plan().items.data(), in.items.bytes), 0);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const WorkItem& want = plan.plan().items[i];
+    EXPECT_EQ(std::memcmp(&items[i].item, &want, sizeof(WorkItem)), 0) << i;
+    const SeqExtent e = GetSeqExtent(t.View(), t.cache.page_size, want.seq);
+    EXPECT_EQ(items[i].q_begin, e.q_begin) << i;
+    EXPECT_EQ(items[i].q_len, e.q_len) << i;
+    EXPECT_EQ(items[i].page_begin, e.page_begin) << i;
+    EXPECT_EQ(items[i].num_pages, e.num_pages) << i;
+    EXPECT_EQ(items[i].kv_len, e.kv_len) << i;
+  }
 
   // Host buffers stand in for the device ones: Bind only computes pointers.
   std::vector<char> device_in(in.bytes), device_out(plan.outputs().bytes);

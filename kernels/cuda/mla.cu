@@ -43,7 +43,7 @@ struct MlaTraits {
 
 template <int kRowGroups, int kStages>
 __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
-    MlaKernel(const MlaParams p, const WorkItem* __restrict__ items, const RowSink sink) {
+    MlaKernel(const MlaParams p, const DeviceWorkItem* __restrict__ items, const RowSink sink) {
   using T = MlaTraits<kRowGroups, kStages>;
   using Tile = typename T::Tile;
   using PTile = typename T::PTile;
@@ -57,9 +57,10 @@ __global__ void __launch_bounds__(MlaTraits<kRowGroups, kStages>::kThreads)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rg = warp / kColWarps, cw = warp % kColWarps;
-  const WorkItem item = items[blockIdx.x];
+  const DeviceWorkItem& planned = items[blockIdx.x];
+  const WorkItem item = planned.item;
   const int heads = p.num_heads;
-  const SeqExtent seq = GetSeqExtent(p.batch, p.cache.page_size, item.seq);
+  const SeqExtent seq = ExtentOf(planned, p.batch);
   const int num_rows = seq.q_len * heads;
 
   // Query rows: q_nope (chunks 0..63) then q_pe (chunks 64..71).

@@ -166,12 +166,13 @@ struct Work {
 
 // Work index `index` (item-major: item index / heads, KV head index % heads).
 template <typename T>
-__device__ __forceinline__ Work MakeWork(const GqaParams& p, const WorkItem* items, int index) {
+__device__ __forceinline__ Work MakeWork(const GqaParams& p, const DeviceWorkItem* items, int index) {
   const int heads = p.cache.num_kv_heads;
   Work w;
   w.index = index;
-  w.item = items[index / heads];
-  w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
+  const DeviceWorkItem& planned = items[index / heads];
+  w.item = planned.item;
+  w.seq = ExtentOf(planned, p.batch);
   w.kv_head = index % heads;
   w.group = p.num_qo_heads / heads;
   w.num_rows = w.seq.q_len * w.group;
@@ -588,7 +589,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
 
 // A CTA of either kernel below; kv_map: the cache's tensor map (kTmaKv), else null.
 template <typename T>
-__device__ __forceinline__ void RunCta(const GqaParams& p, const WorkItem* __restrict__ items,
+__device__ __forceinline__ void RunCta(const GqaParams& p, const DeviceWorkItem* __restrict__ items,
                                        RowSink sink, const CUtensorMap* kv_map) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const Smem<T> s{(SharedAddress(smem) + 1023u) & ~1023u};
@@ -623,13 +624,13 @@ __device__ __forceinline__ void RunCta(const GqaParams& p, const WorkItem* __res
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    GqaPrefillSm90Kernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink) {
+    GqaPrefillSm90Kernel(const GqaParams p, const DeviceWorkItem* __restrict__ items, RowSink sink) {
   RunCta<T>(p, items, sink, nullptr);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    GqaPrefillSm90TmaKernel(const GqaParams p, const WorkItem* __restrict__ items, RowSink sink,
+    GqaPrefillSm90TmaKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items, RowSink sink,
                             const __grid_constant__ CUtensorMap kv_map) {
   RunCta<T>(p, items, sink, &kv_map);
 }

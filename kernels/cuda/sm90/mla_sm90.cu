@@ -956,7 +956,7 @@ __device__ __forceinline__ void MergeClusterOf(const MlaParams& p, const Work& w
 // `clustered`: the launch runs the plan's row tiles as clusters of their chunks (kClusterMerge).
 template <typename T>
 __global__ void __launch_bounds__(T::kThreads, 1)
-    MlaSm90Kernel(const MlaParams p, const WorkItem* __restrict__ items, RowSink sink,
+    MlaSm90Kernel(const MlaParams p, const DeviceWorkItem* __restrict__ items, RowSink sink,
                   const __grid_constant__ CUtensorMap kv_map, bool use_tma, bool clustered) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t raw = SharedAddress(smem);
@@ -964,8 +964,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const Smem<T> s{base, smem + (base - raw)};
 
   Work w;
-  w.item = items[blockIdx.x];
-  w.seq = GetSeqExtent(p.batch, p.cache.page_size, w.item.seq);
+  const DeviceWorkItem& planned = items[blockIdx.x];
+  w.item = planned.item;
+  w.seq = ExtentOf(planned, p.batch);
   w.num_rows = w.seq.q_len * p.num_heads;
   w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + T::kBlockN - 1) / T::kBlockN);
 
