@@ -57,7 +57,9 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kBlockN = kWarps * 16;
 
 // Stages: enough bytes in flight per SM to cover memory latency, with 2+ CTAs per SM where the
-// tiles allow (head_dim 128: 3 x 32 KiB K/V tiles + Q = 100 KiB per CTA).
+// tiles allow (head_dim 128: 3 x 32 KiB K/V tiles + Q = 100 KiB per CTA). One CTA an SM with six
+// stages (160 KiB in flight against two CTAs' 128) lost 3-7% on every decode on the H100
+// (bench/RESULTS.md, 2026-12-06): four warps an SM issue and wait less well than eight.
 constexpr int StagesFor(int head_dim) { return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2; }
 
 // What a build of the kernel does, as bits of its kKernel (KernelOf picks a launch's build).
