@@ -98,7 +98,8 @@ struct DecodeTraits {
 
 template <int kHeadDim, int kKernel>
 __global__ void __launch_bounds__(kThreads)
-    GqaDecodeKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items, const RowSink sink) {
+    GqaDecodeKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items,
+                    const RowSink sink) {
   using T = DecodeTraits<kHeadDim, kKernel>;
   constexpr int kStages = T::kStages;
   using Tile = typename T::Tile;

@@ -36,7 +36,8 @@ struct PrefillTraits {
 
 template <int kHeadDim, int kWarps, int kMTiles, int kBlockN>
 __global__ void __launch_bounds__(kWarps * 32)
-    GqaPrefillKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items, const RowSink sink) {
+    GqaPrefillKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items,
+                     const RowSink sink) {
   using T = PrefillTraits<kHeadDim, kWarps, kMTiles, kBlockN>;
   using Tile = typename T::Tile;
   extern __shared__ __align__(128) unsigned char smem[];

@@ -166,7 +166,8 @@ struct Work {
 
 // Work index `index` (item-major: item index / heads, KV head index % heads).
 template <typename T>
-__device__ __forceinline__ Work MakeWork(const GqaParams& p, const DeviceWorkItem* items, int index) {
+__device__ __forceinline__ Work MakeWork(const GqaParams& p, const DeviceWorkItem* items,
+                                         int index) {
   const int heads = p.cache.num_kv_heads;
   Work w;
   w.index = index;
@@ -624,14 +625,15 @@ __device__ __forceinline__ void RunCta(const GqaParams& p, const DeviceWorkItem*
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    GqaPrefillSm90Kernel(const GqaParams p, const DeviceWorkItem* __restrict__ items, RowSink sink) {
+    GqaPrefillSm90Kernel(const GqaParams p, const DeviceWorkItem* __restrict__ items,
+                         RowSink sink) {
   RunCta<T>(p, items, sink, nullptr);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
-    GqaPrefillSm90TmaKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items, RowSink sink,
-                            const __grid_constant__ CUtensorMap kv_map) {
+    GqaPrefillSm90TmaKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items,
+                            RowSink sink, const __grid_constant__ CUtensorMap kv_map) {
   RunCta<T>(p, items, sink, &kv_map);
 }
 
