@@ -32,6 +32,14 @@ GQA_SHAPES = {
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
+# GPU cycles the stream sleeps between the flush and the timed run (about 1 ms): SDPA's host-side
+# dispatch (the cuDNN graph's cache lookup, the Python wrapper) then runs while the GPU is still
+# busy, so the events time the kernels, as kernel_bench's do, and not the host. Without it, the
+# cuDNN anchors ran 10-200% slower on some device machines than on others (bench/RESULTS.md,
+# 2026-12-06), the decode of one sequence most.
+HOST_LEAD_CYCLES = 2_000_000
+
+
 def time_us(fn, runs=30):
     flush = torch.empty(
         2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda"
@@ -41,6 +49,7 @@ def time_us(fn, runs=30):
     times = []
     for _ in range(runs):
         flush.zero_()
+        torch.cuda._sleep(HOST_LEAD_CYCLES)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -89,6 +98,7 @@ def main():
     gemm_tflops, copy_tbps = gemm_ceiling(), copy_ceiling()
     torch.cuda.empty_cache()
     print(f"cuBLAS bf16 GEMM {gemm_tflops:.0f} TFLOP/s, copy {copy_tbps:.2f} TB/s")
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
 
     results = {"gemm_tflops": gemm_tflops, "copy_tbps": copy_tbps, "shapes": {}}
     for name, shape in GQA_SHAPES.items():
