@@ -21,28 +21,19 @@ namespace attn::cuda {
 // A work item as the kernels read it: the planner's item and its sequence's extent, which
 // LaunchPlan::WriteIndices derives from the page table on the host. A CTA's first load then
 // gives it what it needs to issue its Q copies and page-table reads, instead of a load of the
-// item and then one of the sequence's indptr entries. The layer is left out: it changes between
-// launches over one table (LaunchOptions::table_id), whose items stay on the device, and its
-// load flies beside the page-table reads. 48 bytes: three 16-byte loads.
+// item and then one of the sequence's indptr entries. 48 bytes: three 16-byte loads.
 struct alignas(16) DeviceWorkItem {
   WorkItem item;
-  int32_t q_begin;
-  int32_t q_len;
-  int32_t page_begin;
-  int32_t num_pages;
-  int32_t kv_len;
-  int32_t unused = 0;
+  // All but the layer, which is written as 0: it changes between launches over one table
+  // (LaunchOptions::table_id), whose items stay on the device, so ExtentOf reads it from the
+  // batch, beside the page-table reads.
+  SeqExtent seq;
 };
 static_assert(sizeof(DeviceWorkItem) == 48);
 
 // The item's sequence extent, its layer read from the batch.
 ATTN_HOST_DEVICE SeqExtent ExtentOf(const DeviceWorkItem& w, const PagedBatch& b) {
-  SeqExtent e;
-  e.q_begin = w.q_begin;
-  e.q_len = w.q_len;
-  e.page_begin = w.page_begin;
-  e.num_pages = w.num_pages;
-  e.kv_len = w.kv_len;
+  SeqExtent e = w.seq;
   e.layer = b.seq_layer ? b.seq_layer[w.item.seq] : 0;
   return e;
 }

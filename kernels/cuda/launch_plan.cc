@@ -239,8 +239,8 @@ void LaunchPlan::WriteIndices(void* host_inputs, bool per_launch_only) const {
   Put(h, inputs_.kv_last_page_len, host_batch_.kv_last_page_len);
   for (size_t i = 0; i < plan_.items.size(); ++i) {
     const WorkItem& w = plan_.items[i];
-    const SeqExtent e = GetSeqExtent(host_batch_, planned_.page_size, w.seq);
-    const DeviceWorkItem item{w, e.q_begin, e.q_len, e.page_begin, e.num_pages, e.kv_len};
+    DeviceWorkItem item{w, GetSeqExtent(host_batch_, planned_.page_size, w.seq)};
+    item.seq.layer = 0;  // read per launch (DeviceWorkItem)
     std::memcpy(h + inputs_.items.offset + i * sizeof(item), &item, sizeof(item));
   }
   Put(h, inputs_.merges, plan_.merges.data());

@@ -133,11 +133,12 @@ TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
     const WorkItem& want = plan.plan().items[i];
     EXPECT_EQ(std::memcmp(&items[i].item, &want, sizeof(WorkItem)), 0) << i;
     const SeqExtent e = GetSeqExtent(t.View(), t.cache.page_size, want.seq);
-    EXPECT_EQ(items[i].q_begin, e.q_begin) << i;
-    EXPECT_EQ(items[i].q_len, e.q_len) << i;
-    EXPECT_EQ(items[i].page_begin, e.page_begin) << i;
-    EXPECT_EQ(items[i].num_pages, e.num_pages) << i;
-    EXPECT_EQ(items[i].kv_len, e.kv_len) << i;
+    EXPECT_EQ(items[i].seq.q_begin, e.q_begin) << i;
+    EXPECT_EQ(items[i].seq.q_len, e.q_len) << i;
+    EXPECT_EQ(items[i].seq.page_begin, e.page_begin) << i;
+    EXPECT_EQ(items[i].seq.num_pages, e.num_pages) << i;
+    EXPECT_EQ(items[i].seq.kv_len, e.kv_len) << i;
+    EXPECT_EQ(items[i].seq.layer, 0) << i;
   }
 
   // Host buffers stand in for the device ones: Bind only computes pointers.
