@@ -8,10 +8,16 @@ kv_len, kv_heads, head_dim] viewed as the former: a token's heads adjacent, as a
 holds them), row "cudnn_bshd": what the layout alone costs a decode, which reads K/V once.
 
     python3 bench/anchors.py --json anchors.json
+    python3 bench/anchors.py --filter 'decode_32/8_b64' --backends cudnn --no_ceilings --runs 3
+
+--filter keeps the shapes whose name the regular expression matches a part of, --backends the
+labels named (cudnn, flash, cudnn_bshd), and --no_ceilings skips the GEMM and copy ceilings: so
+that a profiler (Nsight Compute's --kernel-name, --launch-skip) sees one shape's kernels alone.
 """
 
 import argparse
 import json
+import re
 import statistics
 
 import torch
@@ -59,7 +65,7 @@ def time_us(fn, runs=30):
     return statistics.median(times)
 
 
-def gqa_anchor(backend, hq, hkv, d, batch, q_len, kv_len, token_major=False):
+def gqa_anchor(backend, hq, hkv, d, batch, q_len, kv_len, token_major=False, runs=30):
     q = torch.randn(batch, hq, q_len, d, dtype=torch.bfloat16, device="cuda")
     if token_major:
         k = torch.randn(batch, kv_len, hkv, d, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
@@ -72,7 +78,7 @@ def gqa_anchor(backend, hq, hkv, d, batch, q_len, kv_len, token_major=False):
         with sdpa_kernel([backend]):
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    return time_us(run)
+    return time_us(run, runs)
 
 
 def gemm_ceiling(n: int = 8192) -> float:
@@ -91,32 +97,44 @@ def copy_ceiling(size: int = 2 << 30) -> float:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", required=True)
+    parser.add_argument("--json")
+    parser.add_argument("--filter", default="", help="regular expression on the shape names")
+    parser.add_argument("--backends", default="", help="comma-separated labels; all if empty")
+    parser.add_argument("--no_ceilings", action="store_true")
+    parser.add_argument("--runs", type=int, default=30)
     args = parser.parse_args()
     torch.manual_seed(0)
+    labels = set(args.backends.split(",")) if args.backends else None
 
-    gemm_tflops, copy_tbps = gemm_ceiling(), copy_ceiling()
-    torch.cuda.empty_cache()
-    print(f"cuBLAS bf16 GEMM {gemm_tflops:.0f} TFLOP/s, copy {copy_tbps:.2f} TB/s")
+    gemm_tflops = copy_tbps = None
+    if not args.no_ceilings:
+        gemm_tflops, copy_tbps = gemm_ceiling(), copy_ceiling()
+        torch.cuda.empty_cache()
+        print(f"cuBLAS bf16 GEMM {gemm_tflops:.0f} TFLOP/s, copy {copy_tbps:.2f} TB/s")
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
 
     results = {"gemm_tflops": gemm_tflops, "copy_tbps": copy_tbps, "shapes": {}}
     for name, shape in GQA_SHAPES.items():
+        if not re.search(args.filter, name):
+            continue
         results["shapes"][name] = {}
         runs = [(label, backend, False) for label, backend in BACKENDS.items()]
         if "decode" in name:
             runs.append(("cudnn_bshd", SDPBackend.CUDNN_ATTENTION, True))
         for label, backend, token_major in runs:
+            if labels is not None and label not in labels:
+                continue
             try:
-                us = gqa_anchor(backend, *shape, token_major=token_major)
+                us = gqa_anchor(backend, *shape, token_major=token_major, runs=args.runs)
             except RuntimeError as e:  # the backend does not take this shape
                 print(f"{name} {label}: unsupported ({str(e).splitlines()[0][:80]})")
                 continue
             results["shapes"][name][label] = us
             print(f"{name:40s} {label:6s} {us:10.1f} us")
         torch.cuda.empty_cache()
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,15 @@
 //
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
 //                [--mla_variants 0,18] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
-//                [--sequential_pages] [--stamps DIR]
+//                [--split_waves W] [--sequential_pages] [--stamps DIR]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
 //
-// --min_chunk takes a list too (0: the kernel's own), measured for every variant.
+// --min_chunk takes a list too (0: the kernel's own), measured for every variant. --waves sets the
+// planner's target waves when it splits keys, --split_waves the waves below which it splits
+// (ignoring the kernel's fill test): with `--split_waves 1000 --waves 1000 --min_chunk 512,1024`
+// every sequence longer than the chunk is split into chunks of that many keys.
 //
 // The variant lists name kernels (KernelTiling::variant) to measure side by side on each shape of
 // their family; each shape's batch is built once for all of them.
@@ -286,6 +289,8 @@ int Main(int argc, char** argv) {
       min_chunks = parse_list(argv[++i]);
     else if (a == "--waves" && i + 1 < argc)
       overrides.target_waves = std::atof(argv[++i]);
+    else if (a == "--split_waves" && i + 1 < argc)
+      overrides.waves_before_split = std::atof(argv[++i]);
     else if (a == "--prefill_variants" && i + 1 < argc)
       variants = parse_list(argv[++i]);
     else if (a == "--mla_variants" && i + 1 < argc)
@@ -296,7 +301,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
                    "[--prefill_variants 0,26] [--mla_variants 0,18] [--decode_variants 0,1] "
-                   "[--min_chunk KEYS] [--waves W] [--sequential_pages] [--stamps DIR]\n");
+                   "[--min_chunk KEYS] [--waves W] [--split_waves W] [--sequential_pages] "
+                   "[--stamps DIR]\n");
       return 2;
     }
   }

@@ -132,6 +132,10 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   const int n = batch.batch_size;
   if (options.min_chunk_len > 0) config.min_chunk_len = options.min_chunk_len;
   if (options.target_waves > 0) config.target_waves = options.target_waves;
+  if (options.waves_before_split > 0) {
+    config.waves_before_split = options.waves_before_split;
+    config.no_split_fill = 0;
+  }
   const PlanKey key{options.table_id, mla_,   page_size,
                     tiling.variant,   config, options.output_chunk_bytes};
   plan_reused_ = options.table_id != 0 && key == planned_;

@@ -103,6 +103,9 @@ struct LaunchOptions {
   // Planner settings to override (benchmarks sweep them); 0 keeps the kernel's own.
   int min_chunk_len = 0;
   double target_waves = 0;
+  // Splits keys whenever the unsplit plan has fewer CTAs than this many waves (and ignores the
+  // kernel's fill test).
+  double waves_before_split = 0;
   // When given, the launch checks its inputs for NaN and Inf call by call (CallChecks): query
   // rows [call_rows[c], call_rows[c + 1]) are call c's, and a call with a non-finite input has
   // nothing appended and its kFinite* bits in outputs().refused. Host memory, read by Plan* and

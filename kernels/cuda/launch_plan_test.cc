@@ -255,6 +255,37 @@ TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
   EXPECT_EQ(dp.max_splits, plan.plan().max_splits);
 }
 
+// The benchmarks' override of when to split: a decode that fills its CTA slots stays whole by the
+// kernel's own settings, and is cut into chunks of min_chunk_len keys once waves_before_split
+// exceeds its waves.
+TEST(LaunchPlanTest, WavesBeforeSplitOverridesTheSplitDecision) {
+  std::vector<int32_t> kv_indptr{0, 16, 32, 48, 64}, kv_indices(64), last{64, 64, 64, 64};
+  for (int i = 0; i < 64; ++i) kv_indices[i] = i;
+  PagedBatch b;
+  b.batch_size = 4;
+  b.total_q = 4;
+  b.kv_indptr = kv_indptr.data();
+  b.kv_indices = kv_indices.data();
+  b.kv_last_page_len = last.data();
+  LaunchOptions o;
+  o.tiling = Tiling(16, 2);  // 4 sequences, 2 CTA slots: two waves, not split
+  o.max_partial_rows = 1 << 20;
+  const MlaCache cache{nullptr, 1, 64, 64};
+  LaunchPlan whole;
+  whole.PlanMla(cache, 16, b, o);
+  EXPECT_EQ(whole.plan().chunk_len, 0);
+  EXPECT_TRUE(whole.plan().merges.empty());
+
+  o.waves_before_split = 1000;
+  o.target_waves = 1000;
+  o.min_chunk_len = 256;
+  LaunchPlan split;
+  split.PlanMla(cache, 16, b, o);
+  EXPECT_EQ(split.plan().chunk_len, 256);
+  EXPECT_EQ(split.plan().merges.size(), 4u);  // one per query token
+  EXPECT_EQ(split.plan().max_splits, 1024 / 256);  // 16 pages of 64 keys a sequence
+}
+
 // A launch over the table of the last one (LaunchOptions::table_id) keeps its plan, and its
 // per-launch-only indices are seq_layer alone; another id, a new tiling, or no id plans again.
 TEST(LaunchPlanTest, ATablesIdKeepsItsPlan) {

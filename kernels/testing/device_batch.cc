@@ -35,6 +35,7 @@ cuda::LaunchOptions Options(bool append, bool lse, float sm_scale, bool causal,
   o.max_partial_rows = kTestPartialRows;
   o.min_chunk_len = overrides.min_chunk_len;
   o.target_waves = overrides.target_waves;
+  o.waves_before_split = overrides.waves_before_split;
   o.output_chunk_bytes = overrides.output_chunk_bytes;
   return o;
 }

@@ -55,6 +55,7 @@ inline constexpr int64_t kTestPartialRows = int64_t{1} << 19;
 struct PlanOverrides {
   int min_chunk_len = 0;
   double target_waves = 0;
+  double waves_before_split = 0;  // LaunchOptions::waves_before_split
   size_t output_chunk_bytes = 0;  // LaunchOptions::output_chunk_bytes
 };
 
