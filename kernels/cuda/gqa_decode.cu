@@ -7,6 +7,14 @@
 // softmax state; the warps' states are merged through shared memory at the end. Split-KV across
 // CTAs (the planner's chunks) lets a batch of one long sequence fill the GPU.
 //
+// Copies: each thread copies one 16-byte chunk of a K row and of the V row beside it per row
+// offset it reads (SwizzledTile::LoadRowPairs), and rows past the key range repeat the range's
+// last key (RowOffsetRing<kBlockN, true>), which the mask hides, instead of being zero-filled: so
+// every copy is a plain one. The zero-filling copies, their source-size selects and a K and a V
+// pass that each read every offset took ~27 instructions a 16-byte copy, and the tile loop 903
+// instructions a thread; now ~9 and 566 (bench/RESULTS.md, 2026-12-06: cuDNN's decode, the same
+// grid and occupancy, issues 2.6x fewer instructions and reads DRAM 3% faster).
+//
 // Page tables: page size 1 reads one page id per key, and those reads miss L2 (the L2 holds K/V,
 // and the ids of the next tile are the next 256 bytes of the table). kGqaDecodePageIdsPerTile
 // reads a tile's ids from global memory one tile ahead, and every tile waits for them: at page
@@ -87,7 +95,7 @@ struct DecodeTraits {
   using Exchange = SoftmaxExchange<kWarps, kBlockM>;
   static constexpr int kMergeBytes = kWarps * kBlockM * kMergeStride * 4 + Exchange::kBytes;
   static_assert(kMergeBytes <= kPipelineBytes);
-  using Ring = RowOffsetRing<kBlockN>;
+  using Ring = RowOffsetRing<kBlockN, /*kRepeatLastKey=*/true>;
   // Tile T's ids come with the copies of tile T - kStages and are read when those have landed;
   // the copy group issued then (tile T + kStages - 1's, with the ids of tile T + 2 kStages - 1)
   // takes the slot of tile T - 1, whose ids were read a __syncthreads before: kStages slots.
@@ -124,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const PagedRows rows = GqaKeyRows(p.cache, p.batch, seq, kv_head);
   const bf16* k_base = rows.base;
-  const bf16* v_base = rows.base + GqaValueOffset(p.cache);
+  const int64_t v_offset = GqaValueOffset(p.cache);  // a V row from its K row
   const uint64_t kv_policy = T::kSplitKeys ? EvictFirstPolicy() : 0;
 
   const int num_tiles = (item.kv_end - item.kv_begin + kBlockN - 1) / kBlockN;
@@ -138,10 +146,8 @@ __global__ void __launch_bounds__(kThreads)
   auto load_tile = [&](int t) {
     if (t < num_tiles) {
       bf16* stage = s_kv + (t % kStages) * 2 * T::kTileElems;
-      Tile::template LoadRows<kBlockN, kThreads, T::kSplitKeys>(stage, k_base, ring->Offsets(t),
-                                                                tid, kv_policy);
-      Tile::template LoadRows<kBlockN, kThreads, T::kSplitKeys>(stage + T::kTileElems, v_base,
-                                                                ring->Offsets(t), tid, kv_policy);
+      Tile::template LoadRowPairs<kBlockN, kThreads, T::kSplitKeys>(
+          stage, stage + T::kTileElems, k_base, v_offset, ring->Offsets(t), tid, kv_policy);
     }
     if constexpr (T::kStagedIds) {
       ids->Fetch(rows, t + kStages, first_key(t + kStages), item.kv_end, tid);

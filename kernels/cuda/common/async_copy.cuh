@@ -17,6 +17,12 @@ __device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool val
                "r"(src_bytes));
 }
 
+// Copies 16 bytes from global `src` to shared `dst`: the plain form, without the source size
+// operand (and the select that computes it) of the zero-filling one.
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddress(dst)), "l"(src));
+}
+
 // An L2 cache policy (createpolicy) under which the lines a copy brings in are the first its L2
 // set evicts: for bytes read once, so that they replace each other instead of lines still to be
 // read, or dirty lines whose eviction costs a DRAM write on top of the read.
@@ -26,14 +32,11 @@ __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   return policy;
 }
 
-// CopyAsync16 under an L2 cache `policy` (EvictFirstPolicy), for bytes a kernel reads once
-// (gqa_decode.cu says where that pays).
-__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, bool valid,
-                                            uint64_t policy) {
-  const uint32_t to = SmemAddress(dst);
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(to),
-               "l"(src), "r"(src_bytes), "l"(policy));
+// The plain CopyAsync16 under an L2 cache `policy`.
+__device__ __forceinline__ void CopyAsync16Hinted(void* dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;\n" ::"r"(
+                   SmemAddress(dst)),
+               "l"(src), "l"(policy));
 }
 
 // Copies 4 bytes from global `src` to shared `dst` (through L1: .cg takes only 16-byte copies).

@@ -64,16 +64,27 @@ using PagedRows = PagedRowsOf<const bf16>;
 // that math is done, so their latency hides behind it instead of delaying the tile's copies (page
 // size 1 reads one page id per row). A tile's offsets are read once, when its copies are issued,
 // so two slots suffice however deep the copy pipeline is: tile T uses slot T % 2.
-template <int kRows>
+//
+// Rows at or past the key range's end (never their slots: a NaN there would survive a zero
+// softmax weight) get offset -1, which SwizzledTile::LoadRows zero-fills; or, with
+// kRepeatLastKey, the offset of the range's last key: real, finite data the kernel masks, so that
+// every copy is a plain one (SwizzledTile::LoadRowPairs). A range with no key gets 0 there (none
+// of its tiles is copied).
+template <int kRows, bool kRepeatLastKey = false>
 struct RowOffsetRing {
-  int64_t slot[2][kRows];  // -1: the row is past the key range (zero-filled, never read)
+  int64_t slot[2][kRows];
 
   // Starts the lookup of tile `first_key`'s rows (threads tid < kRows, one row each); the result
   // is stored by Store() once the caller has done other work.
   __device__ __forceinline__ static int64_t Lookup(const PagedRows& rows, int first_key,
                                                    int end_key, int tid) {
-    const int key = first_key + tid;
-    return tid < kRows && key < end_key ? rows.Offset(key) : -1;
+    if constexpr (kRepeatLastKey) {
+      const int key = min(first_key + tid, end_key - 1);
+      return tid < kRows && key >= 0 ? rows.Offset(key) : 0;
+    } else {
+      const int key = first_key + tid;
+      return tid < kRows && key < end_key ? rows.Offset(key) : -1;
+    }
   }
   __device__ __forceinline__ void Store(int tile, int64_t offset, int tid) {
     if (tid < kRows) slot[tile & 1][tid] = offset;
@@ -104,11 +115,12 @@ struct PageIdStage {
   }
 
   // The row offset of key first_key + tid (threads tid < kKeys) from the ids Fetch copied for
-  // this tile (complete and synchronized before), as RowOffsetRing::Lookup computes it.
+  // this tile (complete and synchronized before), as RowOffsetRing<kKeys, true>::Lookup computes
+  // it (keys at or past end_key as key end_key - 1; 0 for a tile past the range, never copied).
   __device__ __forceinline__ int64_t Lookup(const PagedRows& rows, int tile, int first_key,
                                             int end_key, int tid) const {
-    const int key = first_key + tid;
-    if (tid >= kKeys || key >= end_key) return -1;
+    if (tid >= kKeys || first_key >= end_key) return 0;
+    const int key = min(first_key + tid, end_key - 1);
     int first_page, page, slot;
     rows.PageSlot(first_key, &first_page, &slot);
     rows.PageSlot(key, &page, &slot);

@@ -70,11 +70,10 @@ struct SwizzledTile {
 
   // cp.async of rows [0, kRows) from base + offsets[r] (see RowOffsetRing); rows with offset -1
   // (past the key range) are zero-filled: never read, as a NaN there would survive a zero
-  // softmax weight. kEvictFirst: the copies go under the L2 `policy` (EvictFirstPolicy).
-  template <int kRows, int kThreads, bool kEvictFirst = false>
+  // softmax weight.
+  template <int kRows, int kThreads>
   __device__ __forceinline__ static void LoadRows(bf16* tile, const bf16* base,
-                                                  const int64_t* offsets, int tid,
-                                                  uint64_t policy = 0) {
+                                                  const int64_t* offsets, int tid) {
     constexpr int kTotal = kRows * kChunks;
 #pragma unroll
     for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
@@ -83,12 +82,34 @@ struct SwizzledTile {
       const int r = idx / kChunks;
       const int c = idx % kChunks;
       const int64_t offset = offsets[r];
-      bf16* dst = tile + Offset(r, c);
-      const bf16* src = base + (offset >= 0 ? offset + c * 8 : 0);
-      if constexpr (kEvictFirst) {
-        CopyAsync16(dst, src, offset >= 0, policy);
+      CopyAsync16(tile + Offset(r, c), base + (offset >= 0 ? offset + c * 8 : 0), offset >= 0);
+    }
+  }
+
+  // Plain copies of two tiles whose rows share their offsets (K and V: base and base +
+  // pair_delta), each offset read once for both, from offsets of real rows only
+  // (RowOffsetRing<kRows, true>); kHinted: the copies go under the L2 `policy`
+  // (EvictFirstPolicy). A thread copies one 16-byte chunk of rows r0, r0 + kRowsPerPass, ...,
+  // all on one swizzle phase where kRowsPerPass is a multiple of 8.
+  template <int kRows, int kThreads, bool kHinted = false>
+  __device__ __forceinline__ static void LoadRowPairs(bf16* tile, bf16* pair_tile,
+                                                      const bf16* base, int64_t pair_delta,
+                                                      const int64_t* offsets, int tid,
+                                                      uint64_t policy = 0) {
+    static_assert(kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0);
+    constexpr int kRowsPerPass = kThreads / kChunks;
+    const int r0 = tid / kChunks, c = tid % kChunks;
+#pragma unroll
+    for (int i = 0; i < kRows / kRowsPerPass; ++i) {
+      const int r = r0 + i * kRowsPerPass;
+      const int dst = Offset(r, c);
+      const bf16* src = base + offsets[r] + c * 8;
+      if constexpr (kHinted) {
+        CopyAsync16Hinted(tile + dst, src, policy);
+        CopyAsync16Hinted(pair_tile + dst, src + pair_delta, policy);
       } else {
-        CopyAsync16(dst, src, offset >= 0);
+        CopyAsync16(tile + dst, src);
+        CopyAsync16(pair_tile + dst, src + pair_delta);
       }
     }
   }
