@@ -282,7 +282,7 @@ TEST(LaunchPlanTest, WavesBeforeSplitOverridesTheSplitDecision) {
   LaunchPlan split;
   split.PlanMla(cache, 16, b, o);
   EXPECT_EQ(split.plan().chunk_len, 256);
-  EXPECT_EQ(split.plan().merges.size(), 4u);  // one per query token
+  EXPECT_EQ(split.plan().merges.size(), 4u);       // one per query token
   EXPECT_EQ(split.plan().max_splits, 1024 / 256);  // 16 pages of 64 keys a sequence
 }
 

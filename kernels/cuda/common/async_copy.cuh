@@ -34,9 +34,9 @@ __device__ __forceinline__ uint64_t EvictFirstPolicy() {
 
 // The plain CopyAsync16 under an L2 cache `policy`.
 __device__ __forceinline__ void CopyAsync16Hinted(void* dst, const void* src, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;\n" ::"r"(
-                   SmemAddress(dst)),
-               "l"(src), "l"(policy));
+  asm volatile(
+      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, 16, %2;\n" ::"r"(SmemAddress(dst)),
+      "l"(src), "l"(policy));
 }
 
 // Copies 4 bytes from global `src` to shared `dst` (through L1: .cg takes only 16-byte copies).

@@ -92,10 +92,9 @@ struct SwizzledTile {
   // (EvictFirstPolicy). A thread copies one 16-byte chunk of rows r0, r0 + kRowsPerPass, ...,
   // all on one swizzle phase where kRowsPerPass is a multiple of 8.
   template <int kRows, int kThreads, bool kHinted = false>
-  __device__ __forceinline__ static void LoadRowPairs(bf16* tile, bf16* pair_tile,
-                                                      const bf16* base, int64_t pair_delta,
-                                                      const int64_t* offsets, int tid,
-                                                      uint64_t policy = 0) {
+  __device__ __forceinline__ static void LoadRowPairs(bf16* tile, bf16* pair_tile, const bf16* base,
+                                                      int64_t pair_delta, const int64_t* offsets,
+                                                      int tid, uint64_t policy = 0) {
     static_assert(kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0);
     constexpr int kRowsPerPass = kThreads / kChunks;
     const int r0 = tid / kChunks, c = tid % kChunks;
