@@ -79,9 +79,13 @@ inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 // 4096 causal -1.5%, 8192 causal -0.4%, the long items of the 1117-on-71488 chunk +2%
 // (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
+// 26 persistent (trial): one CTA an SM takes works in a snake over the planner's order, its
+// producer loading the next work's Q and first key tiles while the consumers finish the last.
+inline constexpr int kGqaPrefillSm90PersistentTmaLean = 27;
 inline constexpr bool IsGqaPrefillSm90Variant(int v) {
   return v == kGqaPrefillSm90LeanOverlapSolo3 || v == kGqaPrefillSm90Stamped ||
-         v == kGqaPrefillSm90Solo3Tma || v == kGqaPrefillSm90Solo3TmaLeanTiles;
+         v == kGqaPrefillSm90Solo3Tma || v == kGqaPrefillSm90Solo3TmaLeanTiles ||
+         v == kGqaPrefillSm90PersistentTmaLean;
 }
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel

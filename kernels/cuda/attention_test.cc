@@ -122,7 +122,8 @@ uint64_t Seed() {
 // decode kernel alone, after a change to it).
 const std::vector<int> kAllPrefillVariants = {
     0, cuda::kGqaPrefillSm90LeanOverlapSolo3, cuda::kGqaPrefillSm90Solo3Tma,
-    cuda::kGqaPrefillSm90Solo3TmaLeanTiles, cuda::kGqaPrefillOnDecodeKernel};
+    cuda::kGqaPrefillSm90Solo3TmaLeanTiles, cuda::kGqaPrefillSm90PersistentTmaLean,
+    cuda::kGqaPrefillOnDecodeKernel};
 
 // Those of `candidates` the entry points accept on this device (the portable kernels
 // everywhere, the sm_90a kernels on Hopper): get_tiling(&tiling) with tiling.variant set.
