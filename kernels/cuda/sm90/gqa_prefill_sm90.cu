@@ -483,10 +483,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   // with nothing under it, and half the works of a causal launch of 32-token tiles end so.
   // (Its S stays whole: an N = 64 GEMM there, however its accumulator was arranged, made
   // ptxas serialize every wgmma of the kernel, C7515.)
-  // Not in a persistent CTA: there the branch between the two last P V paths, inside the loop
-  // over works, made ptxas serialize every wgmma of the kernel (C7520, an arrive it inserted on a
-  // divergent path).
-  constexpr bool kNarrowLast = T::kLeanTiles && kBlockN == 128 && !T::kPersistent;
+  constexpr bool kNarrowLast = T::kLeanTiles && kBlockN == 128;
   const bool narrow_last = kNarrowLast && last_keys <= 64;
   auto narrow = [&](int t) { return narrow_last && t == w.num_tiles - 1; };
   auto issue_qk = [&](float(&acc)[kNTiles][4], int stage) {
@@ -679,8 +676,10 @@ __device__ __forceinline__ void RunCta(const GqaParams& p, const DeviceWorkItem*
         Consume<T>(p, w, s, tid - 128, sink, ring);
         ring = ring.After(w.num_tiles, T::kStages);
         // The lanes are converged again after the rows' stores: without this ptxas takes the
-        // next work's loop as divergent and computes its GEMM descriptors off the uniform
-        // datapath (3x the R2UR moves, 50 more instructions a key tile).
+        // next work as divergent, computes its GEMM descriptors off the uniform datapath (3x the
+        // R2UR moves, 50 more instructions a key tile) and, for the branch between the two last
+        // P V paths, serializes every wgmma of the kernel (C7520: an arrive it inserted on a
+        // divergent path).
         __syncwarp();
       }
     }
