@@ -79,8 +79,9 @@ inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 // 4096 causal -1.5%, 8192 causal -0.4%, the long items of the 1117-on-71488 chunk +2%
 // (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
-// 26 persistent (trial): one CTA an SM takes works in a snake over the planner's order, its
-// producer loading the next work's Q and first key tiles while the consumers finish the last.
+// 26 persistent (trial, built and its SASS read, not yet run on a GPU): one CTA an SM takes works
+// in a snake over the planner's order, its producer loading the next work's Q and first key tiles
+// while the consumers finish the last (kernels/cuda/sm90/gqa_prefill_sm90.cu, kPersistent).
 inline constexpr int kGqaPrefillSm90PersistentTmaLean = 27;
 inline constexpr bool IsGqaPrefillSm90Variant(int v) {
   return v == kGqaPrefillSm90LeanOverlapSolo3 || v == kGqaPrefillSm90Stamped ||
