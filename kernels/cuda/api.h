@@ -83,10 +83,13 @@ inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
 // in a snake over the planner's order, its producer loading the next work's Q and first key tiles
 // while the consumers finish the last (kernels/cuda/sm90/gqa_prefill_sm90.cu, kPersistent).
 inline constexpr int kGqaPrefillSm90PersistentTmaLean = 27;
+// 26 with every fourth column tile's exponentials on the FMA pipe (common/exp2_fma.h) instead of
+// the SFU (trial, built and its SASS read, not yet run on a GPU).
+inline constexpr int kGqaPrefillSm90TmaLeanFmaExp = 28;
 inline constexpr bool IsGqaPrefillSm90Variant(int v) {
   return v == kGqaPrefillSm90LeanOverlapSolo3 || v == kGqaPrefillSm90Stamped ||
          v == kGqaPrefillSm90Solo3Tma || v == kGqaPrefillSm90Solo3TmaLeanTiles ||
-         v == kGqaPrefillSm90PersistentTmaLean;
+         v == kGqaPrefillSm90PersistentTmaLean || v == kGqaPrefillSm90TmaLeanFmaExp;
 }
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel

@@ -90,21 +90,25 @@ __device__ PhaseStampBuffer g_phase_stamps;
 //     t's S GEMM is issued; and the work's last P V, which nothing overlaps, skips the half of
 //     the tile past its keys where it ends there (the causal diagonal).
 //   kStamps: the CTA writes its phase stamps (one record, at its work's index).
+//   kFmaExp: a quarter of the softmax's exponentials (every fourth column tile) on the FMA pipe
+//     (Exp2Fma) instead of the SFU, which may bound the softmax between the GEMMs.
 //   kPersistent: one CTA an SM loops over the works (PersistentWorkIndex): the K/V ring and the Q
 //     buffer run on across its works, so the producer copies the next work's Q and first tiles
 //     while the consumers still compute and store the last one.
 // Key tiles: 128 keys for head_dim 64 and 128 (Q + three stages of K and V: 224 KiB at 128); 64
 // for head_dim 256, whose O takes 128 registers per lane, in two stages (192 KiB).
 template <int kHeadDim_, bool kTmaKv_, bool kLeanTiles_, bool kStamps_ = false,
-          bool kPersistent_ = false>
+          bool kPersistent_ = false, bool kFmaExp_ = false>
 struct Traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kTmaKv = kTmaKv_;
   static constexpr bool kLeanTiles = kLeanTiles_;
   static constexpr bool kStamps = kStamps_;
   static constexpr bool kPersistent = kPersistent_;
+  static constexpr bool kFmaExp = kFmaExp_;
   static_assert(!(kPersistent && kStamps), "stamps are one record a CTA");
-  using CopiesTwin = Traits<kHeadDim_, false, kLeanTiles_, kStamps_, kPersistent_>;
+  static_assert(!kFmaExp || kLeanTiles, "the FMA-pipe exponentials are the lean softmax's");
+  using CopiesTwin = Traits<kHeadDim_, false, kLeanTiles_, kStamps_, kPersistent_, kFmaExp_>;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
   static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
   // setmaxnreg moves registers within the CTA's pool: 384 lanes x 168 = 128 x 56 + 256 x 224
@@ -506,7 +510,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   // 256, whose O takes 128 registers a lane: there the pass spilled.
   auto update = [&](OnlineSoftmax<kNTiles>& sm, float(&acc)[kNTiles][4], float(&alpha)[2]) {
     if (T::kLeanTiles && T::kHeadDim <= 128 && scale_log2 > 0.f) {
-      sm.UpdatePositiveScale(acc, scale_log2, alpha);
+      sm.template UpdatePositiveScale<T::kFmaExp ? 4 : 0>(acc, scale_log2, alpha);
     } else {
       sm.Update(acc, scale_log2, alpha);
     }
@@ -802,6 +806,8 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
       return fn(Config<Traits<kHeadDim, true, true>>());
     case kGqaPrefillSm90PersistentTmaLean:
       return fn(Config<Traits<kHeadDim, true, true, false, true>>());
+    case kGqaPrefillSm90TmaLeanFmaExp:
+      return fn(Config<Traits<kHeadDim, true, true, false, false, true>>());
     case kGqaPrefillSm90Stamped:  // an instrument, built for head_dim 128 alone
       if constexpr (kHeadDim == 128) return fn(Config<Traits<128, true, true, true>>());
       return cudaErrorInvalidValue;
