@@ -16,24 +16,13 @@
 
 namespace attn::cuda {
 
-ATTN_HOST_DEVICE uint32_t FloatBits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return u;
-#endif
-}
-
-ATTN_HOST_DEVICE float BitsFloat(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, sizeof(x));
-  return x;
-#endif
+// The bits of `from` as a To (a register move once compiled, host or device).
+template <typename To, typename From>
+ATTN_HOST_DEVICE To BitCast(From from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  std::memcpy(&to, &from, sizeof(to));
+  return to;
 }
 
 // For x <= 127 (a softmax's x is at most 0); NaN gives NaN, as the SFU's does, so that an
@@ -50,7 +39,7 @@ ATTN_HOST_DEVICE float Exp2Fma(float x) {
   p = p * f + 0x1.62f31ap-1f;
   p = p * f + 0x1.fff692p-1f;
   // p * 2^j: j's two's complement, shifted into the exponent field, adds j to p's exponent.
-  const float r = BitsFloat(FloatBits(p) + (FloatBits(shifted) << 23));
+  const float r = BitCast<float>(BitCast<uint32_t>(p) + (BitCast<uint32_t>(shifted) << 23));
   return x > -127.f ? r : (x <= -127.f ? 0.f : x);
 }
 
