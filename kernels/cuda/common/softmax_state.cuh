@@ -178,18 +178,20 @@ struct OnlineSoftmax {
       tile_max[x] = v[0] * scale_log2;
     }
     const Rescaled r[2] = {Rescale(0, QuadMax(tile_max[0])), Rescale(1, QuadMax(tile_max[1]))};
+    // Column tile j's exponential: on the FMA pipe for every kFmaEvery-th, else the SFU's.
+    auto exp2 = [](int j, float v) {
+      if constexpr (kFmaEvery > 0) {
+        if (j % kFmaEvery == kFmaEvery - 1) return Exp2Fma(v);
+      }
+      return Exp2(v);
+    };
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
-        if (kFmaEvery > 0 && j % kFmaEvery == kFmaEvery - 1) {
-          s[j][2 * x] = Exp2Fma(fmaf(s[j][2 * x], scale_log2, -r[x].base));
-          s[j][2 * x + 1] = Exp2Fma(fmaf(s[j][2 * x + 1], scale_log2, -r[x].base));
-        } else {
-          s[j][2 * x] = Exp2(fmaf(s[j][2 * x], scale_log2, -r[x].base));
-          s[j][2 * x + 1] = Exp2(fmaf(s[j][2 * x + 1], scale_log2, -r[x].base));
-        }
+        s[j][2 * x] = exp2(j, fmaf(s[j][2 * x], scale_log2, -r[x].base));
+        s[j][2 * x + 1] = exp2(j, fmaf(s[j][2 * x + 1], scale_log2, -r[x].base));
         sum[x] += s[j][2 * x] + s[j][2 * x + 1];  // Exponentiate's order
       }
     }
