@@ -49,6 +49,7 @@ struct DevicePlan {
   float* partial_lse = nullptr;  // [partial_rows]
   int variant = -1;              // KernelTiling::variant the plan was made for
   int cluster_splits = 0;        // AttentionPlan::cluster_splits: launch in clusters of that many
+  int cta_slots = 0;  // CTAs the device holds at once (KernelTiling): a persistent kernel's grid
 };
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and

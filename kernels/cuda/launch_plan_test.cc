@@ -41,6 +41,18 @@ std::vector<T> Read(const std::vector<char>& buffer, const StagingSection& s) {
   return v;
 }
 
+// A decode batch (one query a sequence) over the page table given.
+PagedBatch DecodeView(const std::vector<int32_t>& kv_indptr,
+                      const std::vector<int32_t>& kv_indices, const std::vector<int32_t>& last) {
+  PagedBatch b;
+  b.batch_size = static_cast<int>(last.size());
+  b.total_q = b.batch_size;
+  b.kv_indptr = kv_indptr.data();
+  b.kv_indices = kv_indices.data();
+  b.kv_last_page_len = last.data();
+  return b;
+}
+
 // Two prefill sequences (3 tokens on 20 keys, 5 on 5), page size 4, 8/2 heads of 64.
 struct GqaBatch {
   std::vector<int32_t> qo_indptr{0, 3, 8};
@@ -203,12 +215,7 @@ TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
   // One decode sequence of 4096 keys on 4 SMs: split-KV, so the plan has merges and partials.
   std::vector<int32_t> kv_indptr{0, 64}, kv_indices(64), last{64}, layer{1};
   for (int i = 0; i < 64; ++i) kv_indices[i] = 63 - i;
-  PagedBatch b;
-  b.batch_size = 1;
-  b.total_q = 1;
-  b.kv_indptr = kv_indptr.data();
-  b.kv_indices = kv_indices.data();
-  b.kv_last_page_len = last.data();
+  PagedBatch b = DecodeView(kv_indptr, kv_indices, last);
   b.seq_layer = layer.data();
   LaunchOptions o;
   o.lse = true;
@@ -253,6 +260,7 @@ TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
   EXPECT_EQ(dp.partial_lse, workspace.data() + plan.plan().partial_rows * kMlaCkvDim);
   EXPECT_EQ(dp.num_merges, 1);
   EXPECT_EQ(dp.max_splits, plan.plan().max_splits);
+  EXPECT_EQ(dp.cta_slots, 4);  // one CTA an SM on 4 SMs: a persistent kernel's grid
 }
 
 // The benchmarks' override of when to split: a decode that fills its CTA slots stays whole by the
@@ -261,12 +269,7 @@ TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
 TEST(LaunchPlanTest, WavesBeforeSplitOverridesTheSplitDecision) {
   std::vector<int32_t> kv_indptr{0, 16, 32, 48, 64}, kv_indices(64), last{64, 64, 64, 64};
   for (int i = 0; i < 64; ++i) kv_indices[i] = i;
-  PagedBatch b;
-  b.batch_size = 4;
-  b.total_q = 4;
-  b.kv_indptr = kv_indptr.data();
-  b.kv_indices = kv_indices.data();
-  b.kv_last_page_len = last.data();
+  const PagedBatch b = DecodeView(kv_indptr, kv_indices, last);
   LaunchOptions o;
   o.tiling = Tiling(16, 2);  // 4 sequences, 2 CTA slots: two waves, not split
   o.max_partial_rows = 1 << 20;

@@ -768,11 +768,8 @@ struct Config {
     const int num_works = plan.num_items * p.cache.num_kv_heads;
     dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
     if constexpr (T::kPersistent) {
-      int device = 0, sms = 0;
-      ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-      ATTN_CUDA_RETURN_IF_ERROR(
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      grid = dim3(static_cast<unsigned>(std::min(num_works, sms)));  // one CTA an SM
+      if (plan.cta_slots <= 0) return cudaErrorInvalidValue;
+      grid = dim3(static_cast<unsigned>(std::min(num_works, plan.cta_slots)));  // one CTA an SM
     }
     if constexpr (T::kTmaKv) {
       CUtensorMap kv_map{};
