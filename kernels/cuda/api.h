@@ -49,7 +49,6 @@ struct DevicePlan {
   float* partial_lse = nullptr;  // [partial_rows]
   int variant = -1;              // KernelTiling::variant the plan was made for
   int cluster_splits = 0;        // AttentionPlan::cluster_splits: launch in clusters of that many
-  int cta_slots = 0;  // CTAs the device holds at once (KernelTiling): a persistent kernel's grid
 };
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and
@@ -80,17 +79,9 @@ inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 // 4096 causal -1.5%, 8192 causal -0.4%, the long items of the 1117-on-71488 chunk +2%
 // (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
-// 26 persistent (trial, built and its SASS read, not yet run on a GPU): one CTA an SM takes works
-// in a snake over the planner's order, its producer loading the next work's Q and first key tiles
-// while the consumers finish the last (kernels/cuda/sm90/gqa_prefill_sm90.cu, kPersistent).
-inline constexpr int kGqaPrefillSm90PersistentTmaLean = 27;
-// 26 with every fourth column tile's exponentials on the FMA pipe (common/exp2_fma.h) instead of
-// the SFU (trial, built and its SASS read, not yet run on a GPU).
-inline constexpr int kGqaPrefillSm90TmaLeanFmaExp = 28;
 inline constexpr bool IsGqaPrefillSm90Variant(int v) {
   return v == kGqaPrefillSm90LeanOverlapSolo3 || v == kGqaPrefillSm90Stamped ||
-         v == kGqaPrefillSm90Solo3Tma || v == kGqaPrefillSm90Solo3TmaLeanTiles ||
-         v == kGqaPrefillSm90PersistentTmaLean || v == kGqaPrefillSm90TmaLeanFmaExp;
+         v == kGqaPrefillSm90Solo3Tma || v == kGqaPrefillSm90Solo3TmaLeanTiles;
 }
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel

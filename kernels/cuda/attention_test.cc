@@ -123,8 +123,6 @@ uint64_t Seed() {
 const std::vector<int> kAllPrefillVariants = {
     0, cuda::kGqaPrefillSm90LeanOverlapSolo3, cuda::kGqaPrefillSm90Solo3Tma,
     cuda::kGqaPrefillSm90Solo3TmaLeanTiles, cuda::kGqaPrefillOnDecodeKernel};
-// kGqaPrefillSm90PersistentTmaLean and kGqaPrefillSm90TmaLeanFmaExp (trials not yet run on a
-// GPU) join the list once they have passed ATTN_TEST_PREFILL_VARIANTS=27,28 there.
 
 // Those of `candidates` the entry points accept on this device (the portable kernels
 // everywhere, the sm_90a kernels on Hopper): get_tiling(&tiling) with tiling.variant set.

@@ -30,7 +30,6 @@
 #include <cmath>
 
 #include "kernels/attention.h"
-#include "kernels/cuda/common/exp2_fma.h"
 #include "kernels/cuda/common/math.cuh"
 #include "kernels/cuda/common/mma.cuh"
 
@@ -161,10 +160,6 @@ struct OnlineSoftmax {
   // row's work: with one consumer warp of each warpgroup per SM sub-partition, little else
   // hides it. Here the maxima are trees (5 deep; the maximum is exact in any order) and both
   // rows' chains run side by side, so the exponentials start sooner and issue back to back.
-  // kFmaEvery > 0: every kFmaEvery-th column tile's exponentials run on the FMA pipe (Exp2Fma)
-  // instead of the SFU, whose 16 a clock an SM may bound the pass (within 7.5e-5 relative: the
-  // results then differ from Update()'s in the last bits).
-  template <int kFmaEvery = 0>
   __device__ __forceinline__ void UpdatePositiveScale(float (&s)[kNTiles][4], float scale_log2,
                                                       float (&alpha)[2]) {
     static_assert((kNTiles & (kNTiles - 1)) == 0, "tree over a power of two of column tiles");
@@ -178,20 +173,13 @@ struct OnlineSoftmax {
       tile_max[x] = v[0] * scale_log2;
     }
     const Rescaled r[2] = {Rescale(0, QuadMax(tile_max[0])), Rescale(1, QuadMax(tile_max[1]))};
-    // Column tile j's exponential: on the FMA pipe for every kFmaEvery-th, else the SFU's.
-    auto exp2 = [](int j, float v) {
-      if constexpr (kFmaEvery > 0) {
-        if (j % kFmaEvery == kFmaEvery - 1) return Exp2Fma(v);
-      }
-      return Exp2(v);
-    };
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
-        s[j][2 * x] = exp2(j, fmaf(s[j][2 * x], scale_log2, -r[x].base));
-        s[j][2 * x + 1] = exp2(j, fmaf(s[j][2 * x + 1], scale_log2, -r[x].base));
+        s[j][2 * x] = Exp2(fmaf(s[j][2 * x], scale_log2, -r[x].base));
+        s[j][2 * x + 1] = Exp2(fmaf(s[j][2 * x + 1], scale_log2, -r[x].base));
         sum[x] += s[j][2 * x] + s[j][2 * x + 1];  // Exponentiate's order
       }
     }

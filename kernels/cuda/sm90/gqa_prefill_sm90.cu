@@ -90,25 +90,15 @@ __device__ PhaseStampBuffer g_phase_stamps;
 //     t's S GEMM is issued; and the work's last P V, which nothing overlaps, skips the half of
 //     the tile past its keys where it ends there (the causal diagonal).
 //   kStamps: the CTA writes its phase stamps (one record, at its work's index).
-//   kFmaExp: a quarter of the softmax's exponentials (every fourth column tile) on the FMA pipe
-//     (Exp2Fma) instead of the SFU, which may bound the softmax between the GEMMs.
-//   kPersistent: one CTA an SM loops over the works (PersistentWorkIndex): the K/V ring and the Q
-//     buffer run on across its works, so the producer copies the next work's Q and first tiles
-//     while the consumers still compute and store the last one.
 // Key tiles: 128 keys for head_dim 64 and 128 (Q + three stages of K and V: 224 KiB at 128); 64
 // for head_dim 256, whose O takes 128 registers per lane, in two stages (192 KiB).
-template <int kHeadDim_, bool kTmaKv_, bool kLeanTiles_, bool kStamps_ = false,
-          bool kPersistent_ = false, bool kFmaExp_ = false>
+template <int kHeadDim_, bool kTmaKv_, bool kLeanTiles_, bool kStamps_ = false>
 struct Traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kTmaKv = kTmaKv_;
   static constexpr bool kLeanTiles = kLeanTiles_;
   static constexpr bool kStamps = kStamps_;
-  static constexpr bool kPersistent = kPersistent_;
-  static constexpr bool kFmaExp = kFmaExp_;
-  static_assert(!(kPersistent && kStamps), "stamps are one record a CTA");
-  static_assert(!kFmaExp || kLeanTiles, "the FMA-pipe exponentials are the lean softmax's");
-  using CopiesTwin = Traits<kHeadDim_, false, kLeanTiles_, kStamps_, kPersistent_, kFmaExp_>;
+  using CopiesTwin = Traits<kHeadDim_, false, kLeanTiles_, kStamps_>;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
   static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
   // setmaxnreg moves registers within the CTA's pool: 384 lanes x 168 = 128 x 56 + 256 x 224
@@ -174,40 +164,6 @@ struct Work {
   int num_tiles;  // key tiles of the item
 };
 
-// Where a work finds its CTA's K/V ring and Q buffer. Every work's key tile t goes through stage
-// t % kStages (so that each stage's tile addresses stay compile-time and uniform), in that
-// stage's use t / kStages of the work; bit s of `phases` is the phase parity stage s's barriers
-// start the work on (after the uses of the CTA's works before it), and q_uses counts the Q loads
-// before it (works without key tiles load no Q). Both are 0 but in a persistent CTA.
-struct RingStart {
-  uint32_t phases;
-  int q_uses;
-
-  // The parity of the full barriers' phase tile t waits for (the producer waits for the empty
-  // barriers' phase before it: the parity flipped).
-  __device__ __forceinline__ uint32_t Parity(int t, int stages) const {
-    return ((phases >> (t % stages)) ^ (t / stages)) & 1;
-  }
-  // The ring after a work of n key tiles.
-  __device__ __forceinline__ RingStart After(int n, int stages) const {
-    if (n == 0) return *this;
-    uint32_t flips = 0;
-    for (int stage = 0; stage < stages; ++stage) {
-      const int uses = n / stages + (stage < n % stages ? 1 : 0);
-      flips |= static_cast<uint32_t>(uses & 1) << stage;
-    }
-    return {phases ^ flips, q_uses + 1};
-  }
-};
-
-// The index of the work a persistent CTA takes in its round `round`: a snake over the works
-// (forward in even rounds, backward in odd ones), so that the longest-first order's long works
-// spread over the CTAs. Rises with the round: the first past the works ends the CTA's rounds.
-__device__ __forceinline__ int PersistentWorkIndex(int round) {
-  const int g = static_cast<int>(gridDim.x), c = static_cast<int>(blockIdx.x);
-  return round * g + (round % 2 ? g - 1 - c : c);
-}
-
 // Work index `index` (item-major: item index / heads, KV head index % heads).
 template <typename T>
 __device__ __forceinline__ Work MakeWork(const GqaParams& p, const DeviceWorkItem* items,
@@ -238,7 +194,7 @@ __device__ __forceinline__ int TmaTiles(const Work& w) {
 // Warpgroup 0: all copies into shared memory. kv_map: the cache's tensor map (kTmaKv).
 template <typename T>
 __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const Smem<T>& s,
-                                        const CUtensorMap* kv_map, int tid, RingStart ring) {
+                                        const CUtensorMap* kv_map, int tid) {
   constexpr int kBlockN = T::kBlockN;
   const int chunk = tid % T::kChunks;  // this lane's 16 bytes of every row it copies
   const int row0 = tid / T::kChunks;   // and its first row; then every kRowsPerPass-th
@@ -247,9 +203,10 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     Stamp<T>(w.index, PhaseSlot::kSmAndTiles, SmId() | uint64_t{uint32_t(w.num_tiles)} << 32);
   if (w.num_tiles == 0) return;  // nothing to copy; the consumers skip it as well
 
-  // The consumers' release of the Q buffer (after the last S GEMM of the CTA's work before; the
-  // first use returns at once).
-  BarrierWait(s.QEmpty(), (ring.q_uses & 1) ^ 1);
+  // The consumers' release of the Q buffer, which a CTA fills once: returns at once. (Kept from
+  // the persistent CTAs, as is the consumers' arrival, so that the kernels' code stays as
+  // measured.)
+  BarrierWait(s.QEmpty(), 1);
   for (int i = 0; i < T::kQPasses; ++i) {
     const int r = row0 + i * T::kRowsPerPass;
     const int packed = w.item.row_begin + r;
@@ -355,7 +312,7 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
       read_rows(0, page, map_rows);
       for (int t = 0; t < tma_tiles; ++t) {
         const int stage = t % T::kStages;
-        const uint32_t parity = ring.Parity(t, T::kStages) ^ 1;
+        const uint32_t parity = ((t / T::kStages) & 1) ^ 1;
         // The next tile's page ids are read while this one is issued.
         int next_page = page, next_slot = slot;
         step(next_page, next_slot);
@@ -394,7 +351,7 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     // wait for their copies, and one lane makes the warp's arrival on both full barriers.
     for (int t = tma_tiles; t < w.num_tiles; ++t) {
       const int stage = t % T::kStages;
-      const uint32_t parity = ring.Parity(t, T::kStages) ^ 1;
+      const uint32_t parity = ((t / T::kStages) & 1) ^ 1;
       BarrierWait(s.KEmpty(stage), parity);
       BarrierWait(s.VEmpty(stage), parity);
       const int64_t offset = offset_of(lookup(t));
@@ -416,7 +373,7 @@ __device__ __forceinline__ void Produce(const GqaParams& p, const Work& w, const
     Lookup current = lookup(0);
     for (int t = 0; t < w.num_tiles; ++t) {
       const int stage = t % T::kStages;
-      const uint32_t parity = ring.Parity(t, T::kStages) ^ 1;  // the consumers' release of this stage
+      const uint32_t parity = ((t / T::kStages) & 1) ^ 1;  // the consumers' release of this stage
       const Lookup next = lookup(t + 1);  // the page-table read flies while this tile is issued
       const int64_t offset = offset_of(current);  // read a tile ago
       BarrierWait(s.KEmpty(stage), parity);
@@ -460,7 +417,7 @@ __device__ __forceinline__ void IssuePv(float (&o)[T::kHeadDim / 8][4],
 // Warpgroups 1 and 2 (`cwg` 0, 1): rows [64 cwg, 64 cwg + 64) of the tile.
 template <typename T>
 __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const Smem<T>& s,
-                                        int ctid, RowSink sink, RingStart ring) {
+                                        int ctid, RowSink sink) {
   constexpr int kBlockN = T::kBlockN;
   constexpr int kNTiles = kBlockN / 8;      // 8-key column tiles of S
   constexpr int kDTiles = T::kHeadDim / 8;  // 8-wide column tiles of O
@@ -510,7 +467,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   // 256, whose O takes 128 registers a lane: there the pass spilled.
   auto update = [&](OnlineSoftmax<kNTiles>& sm, float(&acc)[kNTiles][4], float(&alpha)[2]) {
     if (T::kLeanTiles && T::kHeadDim <= 128 && scale_log2 > 0.f) {
-      sm.template UpdatePositiveScale<T::kFmaExp ? 4 : 0>(acc, scale_log2, alpha);
+      sm.UpdatePositiveScale(acc, scale_log2, alpha);
     } else {
       sm.Update(acc, scale_log2, alpha);
     }
@@ -522,7 +479,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   auto stage_of = [&](int t) { return t % T::kStages; };
   const int tma_tiles = T::kTmaKv ? TmaTiles<T>(w) : 0;
   auto wait_full = [&](uint32_t bar, int t) {
-    BarrierWait(bar, ring.Parity(t, T::kStages));
+    BarrierWait(bar, (t / T::kStages) & 1);
     // The cp.async data, seen through the barrier, before wgmma reads it (TMA tiles were written
     // through the async proxy wgmma reads by).
     if (!T::kTmaKv || t >= tma_tiles) FenceProxyAsync();
@@ -546,7 +503,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   };
 
   if (w.num_tiles > 0) {
-    BarrierWait(s.QFull(), ring.q_uses & 1);
+    BarrierWait(s.QFull(), 0);
     if constexpr (T::kTmaKv) FenceProxyAsync();  // Q's copies (the TMA tiles' waits do not fence)
     if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kQReadyClock);
     uint32_t pf[kPSteps][4];
@@ -632,10 +589,9 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
 }
 
 // A CTA of either kernel below; kv_map: the cache's tensor map (kTmaKv), else null.
-// num_works: the works of a persistent launch (items x KV heads; one CTA a work otherwise).
 template <typename T>
 __device__ __forceinline__ void RunCta(const GqaParams& p, const DeviceWorkItem* __restrict__ items,
-                                       RowSink sink, const CUtensorMap* kv_map, int num_works) {
+                                       RowSink sink, const CUtensorMap* kv_map) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const Smem<T> s{(SharedAddress(smem) + 1023u) & ~1023u};
 
@@ -657,59 +613,28 @@ __device__ __forceinline__ void RunCta(const GqaParams& p, const DeviceWorkItem*
   }
   __syncthreads();
 
-  if constexpr (T::kPersistent) {
-    // Both roles walk the same works and follow the ring's phases and Q loads alike.
-    RingStart ring{0, 0};
-    if (tid < 128) {
-      ReleaseRegisters<T::kProducerRegisters>();
-      for (int k = 0;; ++k) {
-        const int index = PersistentWorkIndex(k);
-        if (index >= num_works) break;
-        const Work w = MakeWork<T>(p, items, index);
-        Produce<T>(p, w, s, kv_map, tid, ring);
-        ring = ring.After(w.num_tiles, T::kStages);
-        __syncwarp();  // (as the consumers' below)
-      }
-      WaitAllCopies();
-    } else {
-      ClaimRegisters<T::kConsumerRegisters>();
-      for (int k = 0;; ++k) {
-        const int index = PersistentWorkIndex(k);
-        if (index >= num_works) break;
-        const Work w = MakeWork<T>(p, items, index);
-        Consume<T>(p, w, s, tid - 128, sink, ring);
-        ring = ring.After(w.num_tiles, T::kStages);
-        // The lanes are converged again after the rows' stores: without this ptxas takes the
-        // next work as divergent, computes its GEMM descriptors off the uniform datapath (3x the
-        // R2UR moves, 50 more instructions a key tile) and, for the branch between the two last
-        // P V paths, serializes every wgmma of the kernel (C7520: an arrive it inserted on a
-        // divergent path).
-        __syncwarp();
-      }
-    }
-  } else if (tid < 128) {
+  if (tid < 128) {
     ReleaseRegisters<T::kProducerRegisters>();
-    Produce<T>(p, MakeWork<T>(p, items, blockIdx.x), s, kv_map, tid, RingStart{0, 0});
+    Produce<T>(p, MakeWork<T>(p, items, blockIdx.x), s, kv_map, tid);
     WaitAllCopies();
   } else {
     ClaimRegisters<T::kConsumerRegisters>();
-    Consume<T>(p, MakeWork<T>(p, items, blockIdx.x), s, tid - 128, sink, RingStart{0, 0});
+    Consume<T>(p, MakeWork<T>(p, items, blockIdx.x), s, tid - 128, sink);
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     GqaPrefillSm90Kernel(const GqaParams p, const DeviceWorkItem* __restrict__ items,
-                         RowSink sink, int num_works) {
-  RunCta<T>(p, items, sink, nullptr, num_works);
+                         RowSink sink) {
+  RunCta<T>(p, items, sink, nullptr);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     GqaPrefillSm90TmaKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items,
-                            RowSink sink, const __grid_constant__ CUtensorMap kv_map,
-                            int num_works) {
-  RunCta<T>(p, items, sink, &kv_map, num_works);
+                            RowSink sink, const __grid_constant__ CUtensorMap kv_map) {
+  RunCta<T>(p, items, sink, &kv_map);
 }
 
 // The cache as a 3-D TMA tensor map: (the columns of all KV heads of a token, the slots of a page,
@@ -765,18 +690,13 @@ struct Config {
     }
     ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kKernel, T::kSmemBytes));
     const RowSink sink = RowSink::ForGqa(p, plan);
-    const int num_works = plan.num_items * p.cache.num_kv_heads;
-    dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
-    if constexpr (T::kPersistent) {
-      if (plan.cta_slots <= 0) return cudaErrorInvalidValue;
-      grid = dim3(static_cast<unsigned>(std::min(num_works, plan.cta_slots)));  // one CTA an SM
-    }
+    const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
     if constexpr (T::kTmaKv) {
       CUtensorMap kv_map{};
       ATTN_CUDA_RETURN_IF_ERROR(EncodeGqaKvMap<T>(p.cache, &kv_map));
-      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map, num_works);
+      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, kv_map);
     } else {
-      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink, num_works);
+      kKernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
     }
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
@@ -801,10 +721,6 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
       return fn(Config<Traits<kHeadDim, true, false>>());
     case kGqaPrefillSm90Solo3TmaLeanTiles:
       return fn(Config<Traits<kHeadDim, true, true>>());
-    case kGqaPrefillSm90PersistentTmaLean:
-      return fn(Config<Traits<kHeadDim, true, true, false, true>>());
-    case kGqaPrefillSm90TmaLeanFmaExp:
-      return fn(Config<Traits<kHeadDim, true, true, false, false, true>>());
     case kGqaPrefillSm90Stamped:  // an instrument, built for head_dim 128 alone
       if constexpr (kHeadDim == 128) return fn(Config<Traits<128, true, true, true>>());
       return cudaErrorInvalidValue;
