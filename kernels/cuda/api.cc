@@ -33,7 +33,7 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
 
 // The Hopper prefill variant the default selects (tests and benchmarks name the others): the
 // fastest that passed kernel_tests on the H200 (bench/RESULTS.md).
-constexpr int kDefaultSm90Prefill = kGqaPrefillSm90Solo3TmaLeanTiles;
+constexpr int kDefaultSm90Prefill = kGqaPrefillSm90TmaLeanLazyRescale;
 
 // Resolves a GQA prefill variant for the current device: the default becomes the Hopper kernel
 // where it runs; a Hopper variant where it does not run is an error.
@@ -54,8 +54,9 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
 // page sizes that are multiples of 64 (elsewhere cp.async), the second consumer's P V issued once
 // the first's is done. Beside 13 (the same without the late right half) in one H200 run: the
 // 16-head prefill 988 -> 924 us, the 128-head decode 284.6 -> 274.2 us, the page-1 seed 276.5 ->
-// 272.8 us (bench/RESULTS.md).
-constexpr int kDefaultSm90MlaPrefill = kMlaSm90LateRightTma;
+// 272.8 us (bench/RESULTS.md). Both 64-row defaults take the lazy rescale (41 and 42 in place of
+// 18 and 38: the 128-head decode -9 to -10% on the H100).
+constexpr int kDefaultSm90MlaPrefill = kMlaSm90LateRightTmaLazy;
 
 // Peak HBM bandwidth of the current device per SM, bytes a second (two transfers a memory clock).
 cudaError_t HbmBandwidthPerSm(double* bytes_per_second) {
@@ -88,8 +89,8 @@ int DefaultSm90Mla(int num_heads, int page_size, bool decode, double hbm_per_sm)
   static_assert(kMlaSm90NarrowMaxHeads == 32);
   if (decode && num_heads <= 16) return kMlaSm90Narrow16;
   if (decode && num_heads <= 32) return kMlaSm90Narrow32;
-  if (page_size % kMlaSm90KeyTile != 0) return kMlaSm90LateRightTmaTouch2;
-  if (decode && hbm_per_sm < kLeanHbmPerSm) return kMlaSm90LateRightTmaTouch2;
+  if (page_size % kMlaSm90KeyTile != 0) return kMlaSm90LateRightTmaTouch2Lazy;
+  if (decode && hbm_per_sm < kLeanHbmPerSm) return kMlaSm90LateRightTmaTouch2Lazy;
   return kDefaultSm90MlaPrefill;
 }
 

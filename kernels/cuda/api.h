@@ -53,8 +53,8 @@ struct DevicePlan {
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and
 // up the Hopper kernels (sm_90a, compute capability 9.0, head_dim 64 / 128 / 256), of which the
-// default (-1) selects kGqaPrefillSm90Solo3TmaLeanTiles where they run (kernels/cuda/sm90/). The
-// three (19, 24, 26) run one schedule: each tile's softmax under the previous tile's P V GEMM,
+// default (-1) selects kGqaPrefillSm90TmaLeanLazyRescale where they run (kernels/cuda/sm90/). The
+// four (19, 24, 26, 30) run one schedule: each tile's softmax under the previous tile's P V GEMM,
 // three K/V stages (two at head_dim 256), the two consumer warpgroups issuing their GEMMs freely.
 // The schedules they beat on the H200 (10-14, 18, 22, 23) are gone; bench/RESULTS.md records each.
 // The cp.async reference: the producer's lanes gather a tile's row offsets, then copy it with
@@ -75,13 +75,20 @@ inline constexpr int kGqaPrefillSm90Stamped = 21;
 // causal 956 -> 881 us; bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3Tma = 24;
 // 24 with the softmax's rows in one pass, O rescaled under S, the diagonal's last P V cut. The
-// default: on the H200 against 24, 8 x 512 on 1024 at 40/10 heads -3% (past FlashInfer fa3),
-// 4096 causal -1.5%, 8192 causal -0.4%, the long items of the 1117-on-71488 chunk +2%
+// default before 30: on the H200 against 24, 8 x 512 on 1024 at 40/10 heads -3% (past FlashInfer
+// fa3), 4096 causal -1.5%, 8192 causal -0.4%, the long items of the 1117-on-71488 chunk +2%
 // (bench/RESULTS.md).
 inline constexpr int kGqaPrefillSm90Solo3TmaLeanTiles = 26;
+// 26 with a lazy rescale (kLazyRescale in kernels/cuda/sm90/gqa_prefill_sm90.cu): a row's maximum
+// moves only where a tile's passes it by more than 8 (log2), so O's factor is almost always 1,
+// and a consumer warp skips O's rescale where all of its rows' factors are. The default: on the
+// H100 against 26, 8192 causal -3.6% (652 TFLOP/s), 4096 causal -2.3%, 8 x 512 -1.8%, the
+// 1117-on-71488 chunk -3.5% (bench/RESULTS.md, 2026-12-06).
+inline constexpr int kGqaPrefillSm90TmaLeanLazyRescale = 30;
 inline constexpr bool IsGqaPrefillSm90Variant(int v) {
   return v == kGqaPrefillSm90LeanOverlapSolo3 || v == kGqaPrefillSm90Stamped ||
-         v == kGqaPrefillSm90Solo3Tma || v == kGqaPrefillSm90Solo3TmaLeanTiles;
+         v == kGqaPrefillSm90Solo3Tma || v == kGqaPrefillSm90Solo3TmaLeanTiles ||
+         v == kGqaPrefillSm90TmaLeanLazyRescale;
 }
 
 // GQA decode variants (KernelTiling::variant of a decode tiling) of the portable decode kernel
@@ -101,8 +108,8 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
-// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTma (prefills on TMA
-// tiles, wide decodes where HBM is fast), kMlaSm90LateRightTmaTouch2 (other prefills and wide
+// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTmaLazy (prefills on TMA
+// tiles, wide decodes where HBM is fast), kMlaSm90LateRightTmaTouch2Lazy (other prefills and wide
 // decodes), kMlaSm90Narrow16 or kMlaSm90Narrow32 (decodes of few heads) where they run
 // (kernels/cuda/sm90/mla_sm90.cu; api.cc's DefaultSm90Mla says why). The numbers are those the
 // variants were measured under; the schedules they beat on the H200 and H100 (10-14, 16, 17, 22,
@@ -129,9 +136,17 @@ inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two tak
 // tiles, +3%). It replaced 28, which brought the whole tile into L2 and
 // was no faster.
 inline constexpr int kMlaSm90LateRightTmaTouch2 = 38;
+// 18 and 38 with a lazy rescale (kLazyRescale in kernels/cuda/sm90/mla_sm90.cu, as the GQA
+// prefill's 30): both consumer warpgroups skip their 128 multiplies of O a lane where no row's
+// maximum moved. The defaults in their place: on the H100, the 128-head decode -10.5% (18) and
+// -9.4% (38), the page-64 prefill -6% and -5%, the page-1 seed -2% and -3% (bench/RESULTS.md,
+// 2026-12-06).
+inline constexpr int kMlaSm90LateRightTmaLazy = 41;
+inline constexpr int kMlaSm90LateRightTmaTouch2Lazy = 42;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 ||
-         v == kMlaSm90LateRightTmaTouch2;
+         v == kMlaSm90LateRightTmaTouch2 || v == kMlaSm90LateRightTmaLazy ||
+         v == kMlaSm90LateRightTmaTouch2Lazy;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

@@ -120,9 +120,12 @@ uint64_t Seed() {
 // is one of them) and the decode kernel, which the default takes for short prefills (checked here
 // on every prefill case, long ones included); or those ATTN_TEST_PREFILL_VARIANTS lists ("20": the
 // decode kernel alone, after a change to it).
-const std::vector<int> kAllPrefillVariants = {
-    0, cuda::kGqaPrefillSm90LeanOverlapSolo3, cuda::kGqaPrefillSm90Solo3Tma,
-    cuda::kGqaPrefillSm90Solo3TmaLeanTiles, cuda::kGqaPrefillOnDecodeKernel};
+const std::vector<int> kAllPrefillVariants = {0,
+                                              cuda::kGqaPrefillSm90LeanOverlapSolo3,
+                                              cuda::kGqaPrefillSm90Solo3Tma,
+                                              cuda::kGqaPrefillSm90Solo3TmaLeanTiles,
+                                              cuda::kGqaPrefillSm90TmaLeanLazyRescale,
+                                              cuda::kGqaPrefillOnDecodeKernel};
 
 // Those of `candidates` the entry points accept on this device (the portable kernels
 // everywhere, the sm_90a kernels on Hopper): get_tiling(&tiling) with tiling.variant set.
@@ -178,9 +181,13 @@ std::vector<int> DecodeVariants(int head_dim) {
 // bisect a failing variant on the GPU). A listed number that names no variant fails the test, as
 // in CheckedPrefillVariants.
 std::vector<int> MlaVariants(const MlaGeometry& g) {
-  std::vector<int> candidates = {cuda::kMlaPortable, cuda::kMlaSm90LateRightTma,
-                                 cuda::kMlaSm90Narrow16, cuda::kMlaSm90Narrow32,
-                                 cuda::kMlaSm90LateRightTmaTouch2};
+  std::vector<int> candidates = {cuda::kMlaPortable,
+                                 cuda::kMlaSm90LateRightTma,
+                                 cuda::kMlaSm90Narrow16,
+                                 cuda::kMlaSm90Narrow32,
+                                 cuda::kMlaSm90LateRightTmaTouch2,
+                                 cuda::kMlaSm90LateRightTmaLazy,
+                                 cuda::kMlaSm90LateRightTmaTouch2Lazy};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates = ParseList(list);
     for (int v : candidates) {

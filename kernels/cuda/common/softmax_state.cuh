@@ -124,6 +124,23 @@ struct OnlineSoftmax {
     m[x] = m_new;
     return r;
   }
+  // How far (log2 units) a row's maximum may lag its tiles' under kLazy: p then reaches 2^8 at
+  // most, well inside bf16's and float's range, and the lse, m + log2(sum), is the same.
+  static constexpr float kLazyRescaleLog2 = 8.f;
+
+  // Rescale, but m moves only where tile_max passes it by more than kLazyRescaleLog2; otherwise
+  // alpha is exactly 1 and the tile's p are taken against the old m. The test is on the
+  // difference, so that for huge logits (m + 8 == m in float) every p stays within 2^8; where m
+  // is -inf (no key seen yet) any finite or infinite tile maximum moves it, and the non-finite
+  // cases reach the same (m, base) as in Rescale, with the same NaN or 0 p.
+  __device__ __forceinline__ Rescaled RescaleLazy(int x, float tile_max) {
+    const bool move = tile_max - m[x] > kLazyRescaleLog2;  // false for NaN (-inf - -inf)
+    const float m_new = move ? tile_max : m[x];
+    const float base = ExpBase(m_new);
+    const Rescaled r{move ? Exp2(m[x] - base) : 1.f, base};
+    m[x] = m_new;
+    return r;
+  }
 
   // Turns row x's scores into p = 2^(s' - m) in place (r from this tile's Rescale of the row) and
   // adds them to the row's sum, after scaling the sum by r.alpha.
@@ -143,11 +160,14 @@ struct OnlineSoftmax {
 
   // One tile whose rows are whole in this warp: raw scores s (masked entries already -inf) become
   // p. alpha[x] is the factor row x's output accumulator must be multiplied by.
+  // kLazy: RescaleLazy instead of Rescale (see UpdatePositiveScale).
+  template <bool kLazy = false>
   __device__ __forceinline__ void Update(float (&s)[kNTiles][4], float scale_log2,
                                          float (&alpha)[2]) {
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
-      const Rescaled r = Rescale(x, QuadMax(TileMax(s, x, scale_log2)));
+      const float tile_max = QuadMax(TileMax(s, x, scale_log2));
+      const Rescaled r = kLazy ? RescaleLazy(x, tile_max) : Rescale(x, tile_max);
       Exponentiate(s, x, scale_log2, r);
       alpha[x] = r.alpha;
     }
@@ -160,6 +180,10 @@ struct OnlineSoftmax {
   // row's work: with one consumer warp of each warpgroup per SM sub-partition, little else
   // hides it. Here the maxima are trees (5 deep; the maximum is exact in any order) and both
   // rows' chains run side by side, so the exponentials start sooner and issue back to back.
+  // kLazy: the running maximum moves only where a tile's maximum passes it by more than
+  // kLazyRescaleLog2 (Rescale's lazy form, RescaleLazy), so that after a row's first tiles its
+  // factor is almost always exactly 1 and the caller may skip O's rescale (a warp's vote).
+  template <bool kLazy = false>
   __device__ __forceinline__ void UpdatePositiveScale(float (&s)[kNTiles][4], float scale_log2,
                                                       float (&alpha)[2]) {
     static_assert((kNTiles & (kNTiles - 1)) == 0, "tree over a power of two of column tiles");
@@ -172,7 +196,11 @@ struct OnlineSoftmax {
       FoldMax<kNTiles / 2>(v);
       tile_max[x] = v[0] * scale_log2;
     }
-    const Rescaled r[2] = {Rescale(0, QuadMax(tile_max[0])), Rescale(1, QuadMax(tile_max[1]))};
+    auto rescale = [&](int x) {
+      const float row_max = QuadMax(tile_max[x]);
+      return kLazy ? RescaleLazy(x, row_max) : Rescale(x, row_max);
+    };
+    const Rescaled r[2] = {rescale(0), rescale(1)};
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
@@ -204,6 +232,12 @@ struct OnlineSoftmax {
   // Row x's sum of p over the keys this warp saw (reduced over the quad).
   __device__ __forceinline__ float RowSum(int x) const { return QuadSum(d[x]); }
 };
+
+// Whether any lane of the warp holds a factor other than exactly 1 (a lazy rescale's common case
+// is none: the warp then skips the multiplies).
+__device__ __forceinline__ bool AnyRescale(const float (&alpha)[2]) {
+  return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
+}
 
 // Multiplies the output accumulator fragments of rows g (o[j][0..1]) and g + 8 (o[j][2..3]) by
 // their alpha.

@@ -50,6 +50,17 @@
 // -1.5%); on the 1117-on-71488 chunk's 188-tile items it is 2% slower: with the two warpgroups
 // drifting apart over long items the gap it closes is hidden anyway, and O's multiplies between
 // a warpgroup's S and its P V let the other's S in ahead (bench/RESULTS.md, variants 27-29).
+//
+// Lazy rescale (kLazyRescale, variant 30, the default): a consumer warp issues its tile loop's
+// ~560 instructions in order, and the next GEMM waits for them: every instruction added to the
+// loop, before or after the GEMMs' issue, cost ~4.5 cycles (the FMA-pipe exponentials, the row
+// sums moved under the S GEMM, both removed: +10 to +17%). So a row's maximum moves only where a
+// tile's passes it by more than 8 (log2; p stays below 2^8, the lse m + log2(sum) is the same),
+// O's factor is then almost always exactly 1 after a row's first tiles, and the warp skips O's 64
+// multiplies a lane on a vote (8192 causal -3.6% on the H100). Summing P on the tensor cores
+// (eight N = 8 wgmmas beside each P V) instead of the 64 additions cost more than it saved (+6%),
+// and folding each k-step's descriptor from the tile's saved ~40 uniform instructions a tile and
+// nothing measurable (bench/RESULTS.md, 2026-12-06).
 #include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
@@ -90,15 +101,22 @@ __device__ PhaseStampBuffer g_phase_stamps;
 //     t's S GEMM is issued; and the work's last P V, which nothing overlaps, skips the half of
 //     the tile past its keys where it ends there (the causal diagonal).
 //   kStamps: the CTA writes its phase stamps (one record, at its work's index).
+//   kLazyRescale: the lean softmax moves a row's maximum only where a tile's passes it by more
+//     than 2^8 (OnlineSoftmax::RescaleLazy), so that after a row's first tiles O's factor is
+//     almost always exactly 1, and a consumer warp skips O's 64 multiplies a lane where all of
+//     its rows' factors are (a vote).
 // Key tiles: 128 keys for head_dim 64 and 128 (Q + three stages of K and V: 224 KiB at 128); 64
 // for head_dim 256, whose O takes 128 registers per lane, in two stages (192 KiB).
-template <int kHeadDim_, bool kTmaKv_, bool kLeanTiles_, bool kStamps_ = false>
+template <int kHeadDim_, bool kTmaKv_, bool kLeanTiles_, bool kStamps_ = false,
+          bool kLazyRescale_ = false>
 struct Traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kTmaKv = kTmaKv_;
   static constexpr bool kLeanTiles = kLeanTiles_;
   static constexpr bool kStamps = kStamps_;
-  using CopiesTwin = Traits<kHeadDim_, false, kLeanTiles_, kStamps_>;
+  static constexpr bool kLazyRescale = kLazyRescale_;
+  static_assert(!kLazyRescale || kLeanTiles, "the lazy rescale is the lean softmax's");
+  using CopiesTwin = Traits<kHeadDim_, false, kLeanTiles_, kStamps_, kLazyRescale_>;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;
   static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
   // setmaxnreg moves registers within the CTA's pool: 384 lanes x 168 = 128 x 56 + 256 x 224
@@ -465,9 +483,10 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
   // The softmax of a tile; kLeanTiles takes UpdatePositiveScale's straight-line pass where it
   // applies (a branch on a launch constant, taken the same way by every lane). Not at head_dim
   // 256, whose O takes 128 registers a lane: there the pass spilled.
+  const bool lean_pass = T::kLeanTiles && T::kHeadDim <= 128 && scale_log2 > 0.f;
   auto update = [&](OnlineSoftmax<kNTiles>& sm, float(&acc)[kNTiles][4], float(&alpha)[2]) {
-    if (T::kLeanTiles && T::kHeadDim <= 128 && scale_log2 > 0.f) {
-      sm.UpdatePositiveScale(acc, scale_log2, alpha);
+    if (lean_pass) {
+      sm.template UpdatePositiveScale<T::kLazyRescale>(acc, scale_log2, alpha);
     } else {
       sm.Update(acc, scale_log2, alpha);
     }
@@ -493,6 +512,10 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
     if (n0 + kBlockN > warp_min_limit) MaskScores(acc, n0, lane, limit_g, limit_g8);
   };
   auto rescale = [&](const float(&alpha)[2]) {
+    // kLazyRescale: the whole warp skips it where every factor of its rows is 1.
+    if constexpr (T::kLazyRescale) {
+      if (!AnyRescale(alpha)) return;
+    }
 #pragma unroll
     for (int j = 0; j < kDTiles; ++j) {
       o[j][0] *= alpha[0];
@@ -721,6 +744,8 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
       return fn(Config<Traits<kHeadDim, true, false>>());
     case kGqaPrefillSm90Solo3TmaLeanTiles:
       return fn(Config<Traits<kHeadDim, true, true>>());
+    case kGqaPrefillSm90TmaLeanLazyRescale:
+      return fn(Config<Traits<kHeadDim, true, true, false, true>>());
     case kGqaPrefillSm90Stamped:  // an instrument, built for head_dim 128 alone
       if constexpr (kHeadDim == 128) return fn(Config<Traits<128, true, true, true>>());
       return cudaErrorInvalidValue;
