@@ -673,6 +673,27 @@ TEST_F(KernelTest, ChunkedPrefillComputesTheSame) {
   ExpectChunkedSame(m, -1, m.out.size() * sizeof(bf16));
 }
 
+// Logits spread over tens of log2 units (queries 40 times the sweeps' scale): rows' maxima move
+// by more than the lazy rescale's 8 after O already holds weight, and tiles whose maxima stay
+// within 8 of the row's give p up to 2^8 (kLazyRescale in kernels/cuda/sm90/gqa_prefill_sm90.cu
+// and mla_sm90.cu; the sweeps' logits stay within a few units, where the maximum rarely moves
+// after the first tile).
+TEST_F(KernelTest, WideLogitRange) {
+  BatchOptions prefill;
+  prefill.append = true;
+  prefill.query_scale = 40.f;
+  BatchOptions decode = prefill;
+  decode.decode = true;
+  const GqaGeometry g{1, 16, 32, 8, 128};
+  const std::vector<SeqSpec> seqs = {{1024, 3072, 0}, {700, 700, 0}, {37, 5000, 0}};
+  RunGqa(g, {"gqa_prefill", seqs, prefill, 64}, PrefillVariants(128, CheckedPrefillVariants()));
+  RunGqa(g, {"gqa_decode", Decode({4096, 900, 1}), decode}, DecodeVariants(128));
+  prefill.sm_scale = decode.sm_scale = 0.1352337747812271f;
+  RunMla({1, 64, 16}, {"mla_prefill", seqs, prefill, 64});
+  RunMla({1, 1, 16}, {"mla_prefill_page1", seqs, prefill, 64});
+  RunMla({1, 64, 128}, {"mla_decode_128_heads", Decode({4096, 900}), decode});
+}
+
 TEST_F(KernelTest, MlaWorkloadShapes) {
   BatchOptions decode;
   decode.decode = true;
