@@ -143,10 +143,15 @@ inline constexpr int kMlaSm90LateRightTmaTouch2 = 38;
 // 2026-12-06).
 inline constexpr int kMlaSm90LateRightTmaLazy = 41;
 inline constexpr int kMlaSm90LateRightTmaTouch2Lazy = 42;
+// 41 and 42 with the score warpgroup's softmax in UpdatePositiveScale's straight-line pass over
+// both rows (trials, kLeanSoftmax in kernels/cuda/sm90/mla_sm90.cu; not yet run on a GPU).
+inline constexpr int kMlaSm90LateRightTmaLazyLean = 43;
+inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 ||
          v == kMlaSm90LateRightTmaTouch2 || v == kMlaSm90LateRightTmaLazy ||
-         v == kMlaSm90LateRightTmaTouch2Lazy;
+         v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
+         v == kMlaSm90LateRightTmaTouch2LazyLean;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

@@ -91,9 +91,13 @@ constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is d
 // The 64-row kernel (ConsumeScores/ConsumeSecond), with kTouchTiles as Produce takes it and
 // kLazyRescale: a row's maximum moves only by more than 2^8 (OnlineSoftmax::RescaleLazy), and
 // each consumer warp skips its 128 multiplies of O a lane where no factor of its rows is not 1.
-template <int kTouchTiles_ = 0, bool kLazyRescale_ = false>
+// kLeanSoftmax: the score warpgroup's softmax takes OnlineSoftmax::UpdatePositiveScale's
+// straight-line pass over both rows where the scale is positive, as the GQA prefill's lean tiles
+// do (trial).
+template <int kTouchTiles_ = 0, bool kLazyRescale_ = false, bool kLeanSoftmax_ = false>
 struct Traits {
   static constexpr bool kLazyRescale = kLazyRescale_;
+  static constexpr bool kLeanSoftmax = kLeanSoftmax_;
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
   static constexpr int kBlockM = 64;  // packed rows per CTA
@@ -454,7 +458,11 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   auto finish_qk = [&] { FinishScores(acc, acc_odd); };
   auto softmax_tile = [&](int t) {
     rows.Mask(acc, w.item.kv_begin + t * kBlockN, lane);
-    softmax.template Update<T::kLazyRescale>(acc, scale_log2, alpha);
+    if (T::kLeanSoftmax && scale_log2 > 0.f) {
+      softmax.template UpdatePositiveScale<T::kLazyRescale>(acc, scale_log2, alpha);
+    } else {
+      softmax.template Update<T::kLazyRescale>(acc, scale_log2, alpha);
+    }
   };
   // P (bf16, swizzled K-major like Q) and the rows' factors for warpgroup 2.
   auto publish_p = [&] {
@@ -1115,6 +1123,10 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<0, true>>());
     case kMlaSm90LateRightTmaTouch2Lazy:
       return fn(Config<Traits<2, true>>());
+    case kMlaSm90LateRightTmaLazyLean:
+      return fn(Config<Traits<0, true, true>>());
+    case kMlaSm90LateRightTmaTouch2LazyLean:
+      return fn(Config<Traits<2, true, true>>());
     default:
       return cudaErrorInvalidValue;
   }
