@@ -65,8 +65,8 @@ inline constexpr int kGqaPrefillSm90LeanOverlapSolo3 = 19;
 // itself (LaunchOptions::short_prefill) for launches whose sequences each have at most 16 packed
 // rows: one or a few new tokens per sequence, where a 128-row prefill CTA is mostly padding.
 inline constexpr int kGqaPrefillOnDecodeKernel = 20;
-// Head_dim 128 only: kGqaPrefillSm90Solo3TmaLeanTiles writing per-work phase stamps into the
-// buffer SetGqaPrefillPhaseStamps names, for kernel_bench --stamps.
+// Head_dim 128 only: the default, kGqaPrefillSm90TmaLeanLazyRescale, writing per-work phase
+// stamps into the buffer SetGqaPrefillPhaseStamps names, for kernel_bench --stamps.
 inline constexpr int kGqaPrefillSm90Stamped = 21;
 // kGqaPrefillSm90LeanOverlapSolo3 with key tiles by TMA (one box per page and 64 columns, issued
 // by an elected lane of each producer warp) instead of every producer lane's cp.async, where the

@@ -623,7 +623,7 @@ TEST_F(KernelTest, GqaPrefillPhaseStamps) {
   for (int page_size : {16, 3}) {
     SCOPED_TRACE(::testing::Message() << "page " << page_size);
     GqaHostBatch host = MakeGqaBatch({1, page_size, 40, 10, 128}, seqs, options, rng);
-    ExpectStamped(host, cuda::kGqaPrefillSm90Solo3TmaLeanTiles, cuda::kGqaPrefillSm90Stamped);
+    ExpectStamped(host, cuda::kGqaPrefillSm90TmaLeanLazyRescale, cuda::kGqaPrefillSm90Stamped);
   }
 }
 

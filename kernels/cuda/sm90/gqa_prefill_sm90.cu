@@ -747,7 +747,7 @@ cudaError_t WithVariant(int variant, Fn&& fn) {
     case kGqaPrefillSm90TmaLeanLazyRescale:
       return fn(Config<Traits<kHeadDim, true, true, false, true>>());
     case kGqaPrefillSm90Stamped:  // an instrument, built for head_dim 128 alone
-      if constexpr (kHeadDim == 128) return fn(Config<Traits<128, true, true, true>>());
+      if constexpr (kHeadDim == 128) return fn(Config<Traits<128, true, true, true, true>>());
       return cudaErrorInvalidValue;
     default:
       return cudaErrorInvalidValue;
