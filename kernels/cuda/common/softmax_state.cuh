@@ -233,17 +233,15 @@ struct OnlineSoftmax {
   __device__ __forceinline__ float RowSum(int x) const { return QuadSum(d[x]); }
 };
 
-// Whether any lane of the warp holds a factor other than exactly 1 (a lazy rescale's common case
-// is none: the warp then skips the multiplies).
-__device__ __forceinline__ bool AnyRescale(const float (&alpha)[2]) {
-  return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
-}
-
 // Multiplies the output accumulator fragments of rows g (o[j][0..1]) and g + 8 (o[j][2..3]) by
-// their alpha.
-template <int kDTiles>
+// their alpha. kSkipOnes (a lazy rescale's caller, whose factors are almost always exactly 1):
+// the whole warp skips the multiplies where every lane's factors are 1 (one vote).
+template <bool kSkipOnes = false, int kDTiles>
 __device__ __forceinline__ void RescaleAccumulator(float (&o)[kDTiles][4],
                                                    const float (&alpha)[2]) {
+  if constexpr (kSkipOnes) {
+    if (!__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+  }
 #pragma unroll
   for (int j = 0; j < kDTiles; ++j) {
     o[j][0] *= alpha[0];

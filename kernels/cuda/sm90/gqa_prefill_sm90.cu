@@ -102,7 +102,7 @@ __device__ PhaseStampBuffer g_phase_stamps;
 //     the tile past its keys where it ends there (the causal diagonal).
 //   kStamps: the CTA writes its phase stamps (one record, at its work's index).
 //   kLazyRescale: the lean softmax moves a row's maximum only where a tile's passes it by more
-//     than 2^8 (OnlineSoftmax::RescaleLazy), so that after a row's first tiles O's factor is
+//     than 8 (log2; OnlineSoftmax::RescaleLazy), so that after a row's first tiles O's factor is
 //     almost always exactly 1, and a consumer warp skips O's 64 multiplies a lane where all of
 //     its rows' factors are (a vote).
 // Key tiles: 128 keys for head_dim 64 and 128 (Q + three stages of K and V: 224 KiB at 128); 64
@@ -511,19 +511,7 @@ __device__ __forceinline__ void Consume(const GqaParams& p, const Work& w, const
     const int n0 = w.item.kv_begin + t * kBlockN;
     if (n0 + kBlockN > warp_min_limit) MaskScores(acc, n0, lane, limit_g, limit_g8);
   };
-  auto rescale = [&](const float(&alpha)[2]) {
-    // kLazyRescale: the whole warp skips it where every factor of its rows is 1.
-    if constexpr (T::kLazyRescale) {
-      if (!AnyRescale(alpha)) return;
-    }
-#pragma unroll
-    for (int j = 0; j < kDTiles; ++j) {
-      o[j][0] *= alpha[0];
-      o[j][1] *= alpha[0];
-      o[j][2] *= alpha[1];
-      o[j][3] *= alpha[1];
-    }
-  };
+  auto rescale = [&](const float(&alpha)[2]) { RescaleAccumulator<T::kLazyRescale>(o, alpha); };
 
   if (w.num_tiles > 0) {
     BarrierWait(s.QFull(), 0);

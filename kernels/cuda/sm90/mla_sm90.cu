@@ -89,8 +89,8 @@ constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared m
 constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is done
 
 // The 64-row kernel (ConsumeScores/ConsumeSecond), with kTouchTiles as Produce takes it and
-// kLazyRescale: a row's maximum moves only by more than 2^8 (OnlineSoftmax::RescaleLazy), and
-// each consumer warp skips its 128 multiplies of O a lane where no factor of its rows is not 1.
+// kLazyRescale: a row's maximum moves only by more than 8 (log2; OnlineSoftmax::RescaleLazy), and
+// each consumer warp skips its 128 multiplies of O a lane where all of its rows' factors are 1.
 // kLeanSoftmax: the score warpgroup's softmax takes OnlineSoftmax::UpdatePositiveScale's
 // straight-line pass over both rows where the scale is positive, as the GQA prefill's lean tiles
 // do (trial).
@@ -491,7 +491,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     // count.
     auto step = [&](int t, auto more) {
       constexpr bool kMore = decltype(more)::value;
-      if (!T::kLazyRescale || AnyRescale(alpha)) RescaleAccumulator(o, alpha);
+      RescaleAccumulator<T::kLazyRescale>(o, alpha);
       NamedBarrierSync(kPEmptyBarrier, 256);
       publish_p();
       NamedBarrierArrive(kPFullBarrier, 256);
@@ -553,7 +553,7 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
       for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, t, cb);
       NamedBarrierSync(kPFullBarrier, 256);
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
-      if (!T::kLazyRescale || AnyRescale(alpha)) RescaleAccumulator(o, alpha);
+      RescaleAccumulator<T::kLazyRescale>(o, alpha);
       // The score warpgroup signals its P V of tile t wherever S of tile t + 1 follows it.
       if (t + 1 < w.num_tiles) NamedBarrierSync(kLeftDoneBarrier, 256);
       WgmmaFence();
