@@ -46,11 +46,6 @@ BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTEN
 HOST_LEAD_CYCLES = 2_000_000
 
 
-# Whether the flush comes after the sleep (--flush_last), right before the timed run as in
-# kernel_bench, instead of before it (the L2 then idle ~1 ms before the run).
-FLUSH_LAST = False
-
-
 def time_us(fn, runs=30):
     flush = torch.empty(
         2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda"
@@ -59,11 +54,8 @@ def time_us(fn, runs=30):
         fn()
     times = []
     for _ in range(runs):
-        if not FLUSH_LAST:
-            flush.zero_()
+        flush.zero_()
         torch.cuda._sleep(HOST_LEAD_CYCLES)
-        if FLUSH_LAST:
-            flush.zero_()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -110,10 +102,7 @@ def main():
     parser.add_argument("--backends", default="", help="comma-separated labels; all if empty")
     parser.add_argument("--no_ceilings", action="store_true")
     parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--flush_last", action="store_true", help="flush after the sleep")
     args = parser.parse_args()
-    global FLUSH_LAST
-    FLUSH_LAST = args.flush_last
     torch.manual_seed(0)
     labels = set(args.backends.split(",")) if args.backends else None
 

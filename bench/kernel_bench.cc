@@ -6,7 +6,7 @@
 //
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
 //                [--mla_variants 0,18] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
-//                [--split_waves W] [--sequential_pages] [--stamps DIR] [--idle_us US]
+//                [--split_waves W] [--sequential_pages] [--stamps DIR]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
@@ -22,8 +22,6 @@
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
 // difference is what scattered page reads cost a kernel.
 //
-// --idle_us leaves the GPU idle that long between each flush and its timed run (Flush).
-//
 // --stamps DIR runs the stamped GQA prefill (kGqaPrefillSm90Stamped: the default's kernel with
 // phase stamps) once more on every GQA prefill shape of head_dim 128, after a flush, and writes
 // its phase stamps to DIR/<shape>_v<variant>.stamps (one work a line, the kPhaseStampSlots slots
@@ -31,7 +29,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -44,7 +41,6 @@
 #include <regex>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernels/cuda/api.h"
@@ -147,36 +143,15 @@ void Count(const Shape& s, double* flops, double* bytes) {
   }
 }
 
-// The L2 flush before each timed run: 2 x L2 bytes written, so every run starts with an L2 full of
-// dirty lines, then, with --idle_us, that long with the GPU idle (a host function holds the stream)
-// before the start event, as bench/anchors.py sleeps the GPU ~1 ms under SDPA's host dispatch.
-struct Flush {
-  void* buffer = nullptr;
-  size_t bytes = 0;
-  int idle_us = 0;
-
-  void Run(int fill) const {
-    CHECK_CUDA(cudaMemsetAsync(buffer, fill & 0xff, bytes));
-    if (idle_us > 0) {
-      CHECK_CUDA(cudaLaunchHostFunc(
-          nullptr,
-          [](void* us) {
-            std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<int*>(us)));
-          },
-          const_cast<int*>(&idle_us)));
-    }
-  }
-};
-
-// Median of `runs` timings of fn, each after a flush.
-double TimeMedianUs(const std::function<void()>& fn, int runs, const Flush& flush) {
+// Median of `runs` timings of fn, each after the L2 was overwritten.
+double TimeMedianUs(const std::function<void()>& fn, int runs, void* flush, size_t flush_bytes) {
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) fn();  // warm-up: module load, first-touch
   std::vector<float> ms;
   for (int i = 0; i < runs; ++i) {
-    flush.Run(i);
+    CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
     CHECK_CUDA(cudaEventRecord(start));
     fn();
     CHECK_CUDA(cudaEventRecord(stop));
@@ -192,14 +167,15 @@ double TimeMedianUs(const std::function<void()>& fn, int runs, const Flush& flus
 }
 
 // Device-to-device copy bandwidth, counting bytes read plus bytes written.
-double CopyTbps(const Flush& flush) {
+double CopyTbps(void* flush, size_t flush_bytes) {
   const size_t bytes = size_t{2} << 30;
   void *a, *b;
   CHECK_CUDA(cudaMalloc(&a, bytes));
   CHECK_CUDA(cudaMalloc(&b, bytes));
   CHECK_CUDA(cudaMemset(a, 1, bytes));
-  const double us = TimeMedianUs(
-      [&] { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 10, flush);
+  const double us =
+      TimeMedianUs([&] { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 10,
+                   flush, flush_bytes);
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
   return 2.0 * bytes / (us * 1e-6) / 1e12;
@@ -230,7 +206,7 @@ HostBatch MakeBatch(const Shape& s, bool shuffle_pages) {
 }
 
 Result Measure(const Shape& s, HostBatch& h, int variant, const testing::PlanOverrides& overrides,
-               int runs, const Flush& flush) {
+               int runs, void* flush, size_t flush_bytes) {
   std::unique_ptr<DeviceBatch> d;
   if (s.mla) {
     CHECK_CUDA(DeviceBatch::Create(h.mla, &d, variant, overrides));
@@ -242,7 +218,8 @@ Result Measure(const Shape& s, HostBatch& h, int variant, const testing::PlanOve
   r.variant = variant;
   r.items = d->plan().items.size();
   r.chunk_len = d->plan().chunk_len;
-  r.median_us = TimeMedianUs([&] { CHECK_CUDA(d->RunAttention(nullptr)); }, runs, flush);
+  r.median_us =
+      TimeMedianUs([&] { CHECK_CUDA(d->RunAttention(nullptr)); }, runs, flush, flush_bytes);
   double flops, bytes;
   Count(s, &flops, &bytes);
   r.tflops = flops / (r.median_us * 1e-6) / 1e12;
@@ -252,8 +229,8 @@ Result Measure(const Shape& s, HostBatch& h, int variant, const testing::PlanOve
 
 // One run of a stamped prefill on `h` (timed by the stamps themselves), its records written to
 // DIR/<shape>_v<variant>.stamps.
-void WriteStamps(const Shape& s, HostBatch& h, int variant, const std::string& dir,
-                 const Flush& flush) {
+void WriteStamps(const Shape& s, HostBatch& h, int variant, const std::string& dir, void* flush,
+                 size_t flush_bytes) {
   std::unique_ptr<DeviceBatch> d;
   CHECK_CUDA(DeviceBatch::Create(h.gqa, &d, variant));
   const int ctas = static_cast<int>(d->plan().items.size()) * s.kv_heads;
@@ -264,7 +241,7 @@ void WriteStamps(const Shape& s, HostBatch& h, int variant, const std::string& d
   CHECK_CUDA(cuda::SetGqaPrefillPhaseStamps({records, ctas}));
   for (int i = 0; i < 3; ++i) CHECK_CUDA(d->RunAttention(nullptr));  // warm-up
   CHECK_CUDA(cudaMemset(records, 0, bytes));
-  flush.Run(1);
+  CHECK_CUDA(cudaMemsetAsync(flush, 1, flush_bytes));
   CHECK_CUDA(d->RunAttention(nullptr));
   std::vector<uint64_t> host(bytes / sizeof(uint64_t));
   CHECK_CUDA(cudaMemcpy(host.data(), records, bytes, cudaMemcpyDeviceToHost));
@@ -296,7 +273,6 @@ int Main(int argc, char** argv) {
   };
   testing::PlanOverrides overrides;
   std::vector<int> min_chunks{0};  // 0: the kernel's own
-  Flush flush;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -305,8 +281,6 @@ int Main(int argc, char** argv) {
       filter = argv[++i];
     else if (a == "--runs" && i + 1 < argc)
       runs = std::atoi(argv[++i]);
-    else if (a == "--idle_us" && i + 1 < argc)
-      flush.idle_us = std::atoi(argv[++i]);
     else if (a == "--sequential_pages")
       shuffle_pages = false;
     else if (a == "--stamps" && i + 1 < argc)
@@ -328,7 +302,7 @@ int Main(int argc, char** argv) {
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
                    "[--prefill_variants 0,26] [--mla_variants 0,18] [--decode_variants 0,1] "
                    "[--min_chunk KEYS] [--waves W] [--split_waves W] [--sequential_pages] "
-                   "[--stamps DIR] [--idle_us US]\n");
+                   "[--stamps DIR]\n");
       return 2;
     }
   }
@@ -338,10 +312,11 @@ int Main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  flush.bytes = size_t{2} * prop.l2CacheSize;
-  CHECK_CUDA(cudaMalloc(&flush.buffer, flush.bytes));
+  const size_t flush_bytes = size_t{2} * prop.l2CacheSize;
+  void* flush;
+  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
 
-  const double copy_tbps = CopyTbps(flush);
+  const double copy_tbps = CopyTbps(flush, flush_bytes);
   std::printf("device %s, %d SMs, L2 %d MiB; copy ceiling %.2f TB/s (read + write)\n", prop.name,
               prop.multiProcessorCount, prop.l2CacheSize >> 20, copy_tbps);
   std::printf("%-40s %10s %8s %7s %7s %7s %6s\n", "shape", "median_us", "TFLOP/s", "TB/s",
@@ -372,7 +347,7 @@ int Main(int argc, char** argv) {
     for (int v : list) {
       for (int min_chunk : min_chunks) {
         overrides.min_chunk_len = min_chunk;
-        Result r = Measure(s, h, v, overrides, runs, flush);
+        Result r = Measure(s, h, v, overrides, runs, flush, flush_bytes);
         if (v > 0 || (v == 0 && (s.mla || s.decode))) r.shape.name += "_v" + std::to_string(v);
         if (min_chunks.size() > 1) r.shape.name += "_c" + std::to_string(min_chunk);
         std::printf("%-40s %10.1f %8.1f %7.2f %6.0f%% %7zu %6d\n", r.shape.name.c_str(),
@@ -383,7 +358,7 @@ int Main(int argc, char** argv) {
       }
     }
     if (!stamps_dir.empty() && has_variants && s.head_dim == 128) {
-      WriteStamps(s, h, cuda::kGqaPrefillSm90Stamped, stamps_dir, flush);
+      WriteStamps(s, h, cuda::kGqaPrefillSm90Stamped, stamps_dir, flush, flush_bytes);
     }
   }
   if (!json.empty()) {
@@ -398,7 +373,7 @@ int Main(int argc, char** argv) {
     }
     f << "]}\n";
   }
-  CHECK_CUDA(cudaFree(flush.buffer));
+  CHECK_CUDA(cudaFree(flush));
   return 0;
 }
 
