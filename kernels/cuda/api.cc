@@ -49,14 +49,14 @@ cudaError_t ResolvePrefillVariant(int head_dim, int* variant) {
   return cudaSuccess;
 }
 
-// The Hopper MLA variant the default selects for prefills on TMA tiles and for wide decodes where
-// HBM is fast (DefaultSm90Mla): S in two chains with TMA key tiles at
-// page sizes that are multiples of 64 (elsewhere cp.async), the second consumer's P V issued once
-// the first's is done. Beside 13 (the same without the late right half) in one H200 run: the
-// 16-head prefill 988 -> 924 us, the 128-head decode 284.6 -> 274.2 us, the page-1 seed 276.5 ->
-// 272.8 us (bench/RESULTS.md). Both 64-row defaults take the lazy rescale (41 and 42 in place of
-// 18 and 38: the 128-head decode -9 to -10% on the H100).
-constexpr int kDefaultSm90MlaPrefill = kMlaSm90LateRightTmaLazy;
+// The Hopper MLA variant the default selects for wide decodes where HBM is fast
+// (DefaultSm90Mla): S in two chains with TMA key tiles at page sizes that are multiples of 64
+// (elsewhere cp.async), the second consumer's P V issued once the first's is done, and the lazy
+// rescale. Beside 13 (the same without the late right half) in one H200 run: the 16-head prefill
+// 988 -> 924 us, the 128-head decode 284.6 -> 274.2 us, the page-1 seed 276.5 -> 272.8 us; the
+// lazy rescale (41 in place of 18) took the 128-head decode 267.2 -> 253.9 us on the H200
+// (bench/RESULTS.md).
+constexpr int kDefaultSm90MlaWideDecode = kMlaSm90LateRightTmaLazy;
 
 // Peak HBM bandwidth of the current device per SM, bytes a second (two transfers a memory clock).
 cudaError_t HbmBandwidthPerSm(double* bytes_per_second) {
@@ -78,20 +78,24 @@ constexpr double kLeanHbmPerSm = 30e9;
 // 32 heads fills one transposed tile's columns (kMlaSm90Narrow*), anything else the 64-row tiles.
 // The transposed kernels merge a split decode's chunks in clusters: the 16-head b64 x 4096 decode
 // 95.1 -> 90.8 us against the merge kernel (89 us since each stage is released early).
-// Touching the pages of a key tile two tiles ahead (38) removes the wait on each new page's
+// Touching the pages of a key tile two tiles ahead (42, 44) removes the wait on each new page's
 // address translation where the CTA is its pages' only reader and waits on memory: the page-1
 // seed (cp.async tiles; -2% on the H100 and the H200) and the 128-head decode on the H100 (316 ->
 // 295 us). On the H200, with 1.4x the HBM per SM, that decode waits on its tensor work instead,
-// and the touch's producer work costs it 1.7% (18: 275 us, 38: 280). A prefill's TMA tiles (page
-// sizes that are multiples of 64), whose items of one sequence read the same pages together, only
-// pay for the touch (+3%; bench/RESULTS.md has each).
+// and the touch's producer work costs it 1.7% (18: 275 us, 38: 280; 41: 254.7, 42: 260.4). A
+// prefill's TMA tiles (page sizes that are multiples of 64), whose items of one sequence read the
+// same pages together, only pay for the touch (+3%). Prefills take the score warpgroup's lean
+// softmax pass (43, 44: the page-64 prefill 860.0 -> 849.8 us, the page-1 seed 253.2 -> 250.5 us
+// on the H200), which the 128-head decode does not gain from (41: 254.7 us, 43: 258.5);
+// bench/RESULTS.md has each.
 int DefaultSm90Mla(int num_heads, int page_size, bool decode, double hbm_per_sm) {
   static_assert(kMlaSm90NarrowMaxHeads == 32);
   if (decode && num_heads <= 16) return kMlaSm90Narrow16;
   if (decode && num_heads <= 32) return kMlaSm90Narrow32;
-  if (page_size % kMlaSm90KeyTile != 0) return kMlaSm90LateRightTmaTouch2Lazy;
-  if (decode && hbm_per_sm < kLeanHbmPerSm) return kMlaSm90LateRightTmaTouch2Lazy;
-  return kDefaultSm90MlaPrefill;
+  const bool tma_tiles = page_size % kMlaSm90KeyTile == 0;
+  if (!decode) return tma_tiles ? kMlaSm90LateRightTmaLazyLean : kMlaSm90LateRightTmaTouch2LazyLean;
+  if (!tma_tiles || hbm_per_sm < kLeanHbmPerSm) return kMlaSm90LateRightTmaTouch2Lazy;
+  return kDefaultSm90MlaWideDecode;
 }
 
 // Resolves an MLA variant for the current device as ResolvePrefillVariant does.

@@ -108,9 +108,10 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
-// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTmaLazy (prefills on TMA
-// tiles, wide decodes where HBM is fast), kMlaSm90LateRightTmaTouch2Lazy (other prefills and wide
-// decodes), kMlaSm90Narrow16 or kMlaSm90Narrow32 (decodes of few heads) where they run
+// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTmaLazyLean (prefills on TMA
+// tiles), kMlaSm90LateRightTmaTouch2LazyLean (other prefills), kMlaSm90LateRightTmaLazy (wide
+// decodes on TMA tiles where HBM is fast), kMlaSm90LateRightTmaTouch2Lazy (other wide decodes),
+// kMlaSm90Narrow16 or kMlaSm90Narrow32 (decodes of few heads) where they run
 // (kernels/cuda/sm90/mla_sm90.cu; api.cc's DefaultSm90Mla says why). The numbers are those the
 // variants were measured under; the schedules they beat on the H200 and H100 (10-14, 16, 17, 22,
 // 23, 28-33) are gone, and bench/RESULTS.md records each.
@@ -144,7 +145,9 @@ inline constexpr int kMlaSm90LateRightTmaTouch2 = 38;
 inline constexpr int kMlaSm90LateRightTmaLazy = 41;
 inline constexpr int kMlaSm90LateRightTmaTouch2Lazy = 42;
 // 41 and 42 with the score warpgroup's softmax in UpdatePositiveScale's straight-line pass over
-// both rows (trials, kLeanSoftmax in kernels/cuda/sm90/mla_sm90.cu; not yet run on a GPU).
+// both rows (kLeanSoftmax in kernels/cuda/sm90/mla_sm90.cu): the prefills' defaults (the page-64
+// prefill -1.2%, the page-1 seed -1.1% on the H200; the 128-head decode +1.5% with 43, so wide
+// decodes keep 41 and 42; bench/RESULTS.md, 2026-12-06).
 inline constexpr int kMlaSm90LateRightTmaLazyLean = 43;
 inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 inline constexpr bool IsMlaSm90Variant(int v) {

@@ -185,9 +185,10 @@ std::vector<int> MlaVariants(const MlaGeometry& g) {
                                  cuda::kMlaSm90LateRightTma,
                                  cuda::kMlaSm90Narrow16,
                                  cuda::kMlaSm90Narrow32,
-                                 cuda::kMlaSm90LateRightTmaTouch2,
                                  cuda::kMlaSm90LateRightTmaLazy,
-                                 cuda::kMlaSm90LateRightTmaTouch2Lazy};
+                                 cuda::kMlaSm90LateRightTmaTouch2Lazy,
+                                 cuda::kMlaSm90LateRightTmaLazyLean,
+                                 cuda::kMlaSm90LateRightTmaTouch2LazyLean};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates = ParseList(list);
     for (int v : candidates) {

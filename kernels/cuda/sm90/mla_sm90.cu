@@ -93,7 +93,7 @@ constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is d
 // each consumer warp skips its 128 multiplies of O a lane where all of its rows' factors are 1.
 // kLeanSoftmax: the score warpgroup's softmax takes OnlineSoftmax::UpdatePositiveScale's
 // straight-line pass over both rows where the scale is positive, as the GQA prefill's lean tiles
-// do (trial).
+// do: the prefills' default (api.cc's DefaultSm90Mla).
 template <int kTouchTiles_ = 0, bool kLazyRescale_ = false, bool kLeanSoftmax_ = false>
 struct Traits {
   static constexpr bool kLazyRescale = kLazyRescale_;
