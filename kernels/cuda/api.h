@@ -49,6 +49,10 @@ struct DevicePlan {
   float* partial_lse = nullptr;  // [partial_rows]
   int variant = -1;              // KernelTiling::variant the plan was made for
   int cluster_splits = 0;        // AttentionPlan::cluster_splits: launch in clusters of that many
+  // [2]: the work counter of kernels whose CTAs take items as they go (persistent kernels) and the
+  // count of CTAs done with it. Zero before a launch; the last CTA to finish leaves both zero
+  // again, so that launches in one stream may share it.
+  uint32_t* schedule = nullptr;
 };
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and
@@ -150,11 +154,17 @@ inline constexpr int kMlaSm90LateRightTmaTouch2Lazy = 42;
 // decodes keep 41 and 42; bench/RESULTS.md, 2026-12-06).
 inline constexpr int kMlaSm90LateRightTmaLazyLean = 43;
 inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
+// 43 and 44 persistent (trials, kPersistent in kernels/cuda/sm90/mla_sm90.cu): one CTA an SM takes
+// items from the plan's counter (DevicePlan::schedule) until none is left, loading the next
+// item's Q and first keys while it finishes the one before.
+inline constexpr int kMlaSm90PersistentLean = 45;
+inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 ||
          v == kMlaSm90LateRightTmaTouch2 || v == kMlaSm90LateRightTmaLazy ||
          v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
-         v == kMlaSm90LateRightTmaTouch2LazyLean;
+         v == kMlaSm90LateRightTmaTouch2LazyLean || v == kMlaSm90PersistentLean ||
+         v == kMlaSm90PersistentTouch2Lean;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

@@ -695,6 +695,54 @@ TEST_F(KernelTest, WideLogitRange) {
   RunMla({1, 64, 128}, {"mla_decode_128_heads", Decode({4096, 900}), decode});
 }
 
+// The persistent MLA kernels (45, 46) run each CTA over many items taken from the plan's counter
+// (DevicePlan::schedule): on a batch of several items an SM, empty sequences and rows that see no
+// key among them, they compute what their one-item-a-CTA siblings (43, 44) do, bit for bit, and
+// again on a second launch of the same plan (the counter is left at zero for it).
+TEST_F(KernelTest, PersistentMlaRunsEveryItemOnce) {
+  int device = 0, sms = 0;
+  ASSERT_CUDA_OK(cudaGetDevice(&device));
+  ASSERT_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  std::mt19937_64 rng(Seed());
+  std::vector<SeqSpec> seqs;
+  for (int i = 0; i < 3 * sms; ++i) {
+    const int q = 1 + static_cast<int>(rng() % 12);
+    const int kv = i % 17 == 0 ? q / 2 : q + static_cast<int>(rng() % 400);  // some q_len > kv_len
+    seqs.push_back(i % 29 == 0 ? SeqSpec{0, 0, 0} : SeqSpec{q, kv, 0});
+  }
+  BatchOptions options;
+  options.pad_last_page_len = true;
+  options.sm_scale = 0.1352337747812271f;
+  const std::pair<int, int> pairs[] = {
+      {cuda::kMlaSm90PersistentLean, cuda::kMlaSm90LateRightTmaLazyLean},
+      {cuda::kMlaSm90PersistentTouch2Lean, cuda::kMlaSm90LateRightTmaTouch2LazyLean}};
+  for (int page_size : {64, 1}) {
+    MlaHostBatch host = MakeMlaBatch({1, page_size, 16}, seqs, options, rng);
+    for (const auto& [persistent, sibling] : pairs) {
+      SCOPED_TRACE(::testing::Message() << "page " << page_size << " variant " << persistent);
+      if (AcceptedVariants({persistent}, [&](cuda::KernelTiling* t) {
+            return cuda::GetMlaTiling(16, page_size, false, t);
+          }).empty()) {
+        GTEST_SKIP() << "no persistent MLA kernel on this device";
+      }
+      std::vector<Got> want;
+      ASSERT_NO_FATAL_FAILURE(RunVariants(host, {sibling}, &want));
+      std::unique_ptr<DeviceBatch> d;
+      ASSERT_CUDA_OK(DeviceBatch::Create(host, &d, persistent));
+      ASSERT_GT(d->plan().items.size(), static_cast<size_t>(2 * sms));
+      for (int launch = 0; launch < 2; ++launch) {
+        SCOPED_TRACE(::testing::Message() << "launch " << launch);
+        ASSERT_CUDA_OK(d->PoisonOutputs(nullptr));
+        ASSERT_CUDA_OK(d->Run(nullptr));
+        Got r{persistent, {}, {}, {}};
+        ASSERT_CUDA_OK(d->Download(&r.out, &r.lse, &r.cache));
+        EXPECT_EQ(0, std::memcmp(r.out.data(), want[0].out.data(), r.out.size() * sizeof(bf16)));
+        EXPECT_EQ(0, std::memcmp(r.lse.data(), want[0].lse.data(), r.lse.size() * sizeof(float)));
+      }
+    }
+  }
+}
+
 TEST_F(KernelTest, MlaWorkloadShapes) {
   BatchOptions decode;
   decode.decode = true;

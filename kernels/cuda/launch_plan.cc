@@ -166,6 +166,7 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   inputs_.kv_last_page_len = in.Add(Int32s(n));
   inputs_.seq_layer = in.Add(batch.seq_layer ? Int32s(n) : 0);
   inputs_.items = in.Add(plan_.items.size() * sizeof(DeviceWorkItem));
+  inputs_.schedule = in.Add(2 * sizeof(uint32_t));
   inputs_.merges = in.Add(plan_.merges.size() * sizeof(MergeRow));
   inputs_.call_rows = in.Add(num_calls_ > 0 ? Int32s(num_calls_ + 1) : 0);
   inputs_.bytes = in.size();
@@ -247,6 +248,7 @@ void LaunchPlan::WriteIndices(void* host_inputs, bool per_launch_only) const {
     item.seq.layer = 0;  // read per launch (DeviceWorkItem)
     std::memcpy(h + inputs_.items.offset + i * sizeof(item), &item, sizeof(item));
   }
+  std::memset(h + inputs_.schedule.offset, 0, inputs_.schedule.bytes);
   Put(h, inputs_.merges, plan_.merges.data());
   Put(h, inputs_.call_rows, call_rows_);
 }
@@ -292,6 +294,8 @@ cudaError_t LaunchPlan::Bind(const void* device_inputs, void* device_outputs, vo
   device_plan_.num_merges = static_cast<int>(plan_.merges.size());
   device_plan_.max_splits = plan_.max_splits;
   device_plan_.cluster_splits = plan_.cluster_splits;
+  // The only input the kernels write (DevicePlan::schedule): they leave it as they found it.
+  device_plan_.schedule = const_cast<uint32_t*>(InputAt<uint32_t>(d, inputs_.schedule));
   device_plan_.partial_out = static_cast<float*>(workspace);
   device_plan_.partial_lse = device_plan_.partial_out + plan_.partial_rows * out_dim();
 

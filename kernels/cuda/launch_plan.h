@@ -7,8 +7,8 @@
 // copy; everything it writes comes back from one output buffer:
 //
 //   inputs:  q | q_pe (MLA) | k_new | v_new (appends) | qo_indptr (prefill) | kv_indptr |
-//            kv_indices | kv_last_page_len | seq_layer (when given) | work items | merge rows |
-//            call rows (when checked)
+//            kv_indices | kv_last_page_len | seq_layer (when given) | work items | schedule |
+//            merge rows | call rows (when checked)
 //   outputs: out | lse (when asked) | refused calls (when checked)
 //
 // Per launch (one LaunchPlan per stream, reused: its vectors keep their capacity):
@@ -59,6 +59,7 @@ struct InputLayout {
   StagingSection kv_last_page_len;  // int32 [batch_size] (a trailing extra entry is dropped)
   StagingSection seq_layer;         // int32 [batch_size] (when the batch has one)
   StagingSection items;             // DeviceWorkItem [plan().items.size()]
+  StagingSection schedule;          // uint32 [2], written as 0: DevicePlan::schedule
   StagingSection merges;            // MergeRow [plan().merges.size()]
   StagingSection call_rows;         // int32 [num_calls + 1] (LaunchOptions::call_rows)
   size_t bytes = 0;                 // the whole buffer

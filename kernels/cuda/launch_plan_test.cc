@@ -126,14 +126,16 @@ TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
   EXPECT_EQ(in.kv_last_page_len.bytes, 2u * 4);
   EXPECT_EQ(in.seq_layer.bytes, 0u);
   EXPECT_EQ(in.items.bytes, plan.plan().items.size() * sizeof(DeviceWorkItem));
+  EXPECT_EQ(in.schedule.bytes, 2u * 4);
   ExpectPacked({in.q, in.q_pe, in.k_new, in.v_new, in.qo_indptr, in.kv_indptr, in.kv_indices,
-                in.kv_last_page_len, in.seq_layer, in.items, in.merges},
+                in.kv_last_page_len, in.seq_layer, in.items, in.schedule, in.merges},
                in.bytes);
   EXPECT_EQ(plan.outputs().out.bytes, 8u * 8 * 64 * 2);
   EXPECT_EQ(plan.outputs().lse.bytes, 0u);
 
-  std::vector<char> host(in.bytes, 0);
+  std::vector<char> host(in.bytes, 1);
   plan.WriteIndices(host.data());
+  EXPECT_EQ(Read<uint32_t>(host, in.schedule), (std::vector<uint32_t>{0, 0}));
   EXPECT_EQ(Read<int32_t>(host, in.qo_indptr), t.qo_indptr);
   EXPECT_EQ(Read<int32_t>(host, in.kv_indptr), t.kv_indptr);
   EXPECT_EQ(Read<int32_t>(host, in.kv_indices), t.kv_indices);
@@ -173,6 +175,7 @@ TEST(LaunchPlanTest, GqaPrefillLayoutAndBinding) {
   EXPECT_EQ(p.sm_scale, 0.125f);
   EXPECT_EQ(reinterpret_cast<const char*>(plan.device_plan().items), d + in.items.offset);
   EXPECT_EQ(plan.device_plan().num_items, static_cast<int>(items.size()));
+  EXPECT_EQ(reinterpret_cast<const char*>(plan.device_plan().schedule), d + in.schedule.offset);
   EXPECT_EQ(plan.device_plan().variant, 3);
 }
 

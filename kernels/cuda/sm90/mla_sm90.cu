@@ -60,6 +60,7 @@
 #include <cuda.h>  // CUtensorMap (the driver entry point is looked up at run time)
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -94,10 +95,13 @@ constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is d
 // kLeanSoftmax: the score warpgroup's softmax takes OnlineSoftmax::UpdatePositiveScale's
 // straight-line pass over both rows where the scale is positive, as the GQA prefill's lean tiles
 // do: the prefills' default (api.cc's DefaultSm90Mla).
-template <int kTouchTiles_ = 0, bool kLazyRescale_ = false, bool kLeanSoftmax_ = false>
+// kPersistent: one CTA an SM runs items until none is left (the kernel's comment below).
+template <int kTouchTiles_ = 0, bool kLazyRescale_ = false, bool kLeanSoftmax_ = false,
+          bool kPersistent_ = false>
 struct Traits {
   static constexpr bool kLazyRescale = kLazyRescale_;
   static constexpr bool kLeanSoftmax = kLeanSoftmax_;
+  static constexpr bool kPersistent = kPersistent_;
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
   static constexpr int kBlockM = 64;  // packed rows per CTA
@@ -143,10 +147,14 @@ struct Traits {
   // are in flight), and each stage's release by halves: V's left columns with the rope block, and
   // the rest (different warpgroups finish with each).
   static constexpr int kReleases = 2;
-  static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
-  // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period.
-  static constexpr int kSmemBytes =
-      1024 + kQBytes + kStages * kTileBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers;
+  // kPersistent: Q's release (QEmpty) and the two slots' (WorkFull, WorkEmpty) of Smem.
+  static constexpr int kWorkBarriers = kPersistent ? 5 : 0;
+  static constexpr int kBarriers =
+      1 + kStages * kColumnBlocks + kStages * kReleases + kWorkBarriers;
+  // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period; kPersistent's
+  // two item slots after the barriers.
+  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes + kPBytes +
+                                    kRowFloats * 4 + 8 * kBarriers + (kPersistent ? 8 : 0);
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -173,6 +181,15 @@ struct Smem {
   __device__ uint32_t KvEmpty(int stage, int half = 0) const {
     return Barrier(1 + T::kStages * kColumnBlocks + stage * T::kReleases + half);
   }
+  // T::kPersistent: the score warpgroup is done reading Q (one arrival per warp), so the next
+  // item's may come; item k >= 1 of the CTA is handed over in slot (k - 1) % 2 (WorkSlot), full
+  // once thread 0 wrote it and empty once all 384 threads read it.
+  __device__ uint32_t QEmpty() const { return Barrier(T::kBarriers - 5); }
+  __device__ uint32_t WorkFull(int slot) const { return Barrier(T::kBarriers - 4 + slot); }
+  __device__ uint32_t WorkEmpty(int slot) const { return Barrier(T::kBarriers - 2 + slot); }
+  __device__ volatile int* WorkSlot(int slot) const {
+    return reinterpret_cast<volatile int*>(ptr + (Barrier(T::kBarriers) - base)) + slot;
+  }
 };
 
 struct Work {
@@ -180,6 +197,13 @@ struct Work {
   SeqExtent seq;
   int num_rows;   // packed rows of the sequence
   int num_tiles;  // key tiles of the item
+  // The CTA's key tiles and Q loads before this item's (nonzero only in persistent kernels): the
+  // ring's stages and barrier phases run on across items.
+  int tiles_before = 0;
+  int q_loads_before = 0;
+
+  // Key tile t's place in the CTA's sequence of tiles (its stage and phase in the ring).
+  __device__ __forceinline__ int Tile(int t) const { return tiles_before + t; }
 };
 
 // Warpgroup 0: all copies into shared memory.
@@ -191,6 +215,11 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   const int row0 = tid / 8;   // its rows: row0 + 16 i, all with the same swizzle phase
   const uint32_t lane_offset = row0 * 128 + ((chunk ^ (row0 & 7)) << 4);
   const int heads = p.num_heads;
+  if constexpr (T::kPersistent) {
+    if (w.num_tiles == 0) return;  // its consumers wait for neither Q nor keys
+    // The previous item's S has read Q for the last time.
+    if (w.q_loads_before > 0) BarrierWait(s.QEmpty(), (w.q_loads_before - 1) & 1);
+  }
 
 #pragma unroll
   for (int i = 0; i < T::kBlockM / kRowsPerPass; ++i) {
@@ -259,14 +288,14 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   };
   Touch touch = touch_of(T::kTouchTiles);
   for (int t = 0; t < w.num_tiles; ++t) {
-    const int stage = t % T::kStages;
+    const int stage = w.Tile(t) % T::kStages;
     if constexpr (T::kTouchTiles > 0) {
       if (touch.used) PrefetchLineL2(rows.base + rows.OffsetIn(touch.page_id, touch.slot));
       touch = touch_of(t + 1 + T::kTouchTiles);
     }
     Lookup next;
     lookup(t + 1, next);  // the page-table reads fly while this tile is issued
-    const uint32_t empty_parity = ((t / T::kStages) & 1) ^ 1;
+    const uint32_t empty_parity = ((w.Tile(t) / T::kStages) & 1) ^ 1;
     const uint32_t dst = s.Kv(stage) + lane_offset;
     const int key0 = w.item.kv_begin + t * kBlockN;
     const bool tile_by_tma = by_tma(t);
@@ -319,7 +348,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
 
     current = next;
   }
-  WaitAllCopies();
+  if constexpr (!T::kPersistent) WaitAllCopies();  // persistent: once, after the last item
 }
 
 // What both consumers do with a key stage: wait for column block cb of tile t.
@@ -454,7 +483,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
 
   // S of the whole tile, its column blocks in the order the producer refills a stage's halves.
   const uint64_t q_desc0 = KMajorDescriptor(s.Q());
-  auto issue_qk = [&](int t) { IssueScores<T>(acc, acc_odd, s, t, q_desc0); };
+  auto issue_qk = [&](int t) { IssueScores<T>(acc, acc_odd, s, w.Tile(t), q_desc0); };
   auto finish_qk = [&] { FinishScores(acc, acc_odd); };
   auto softmax_tile = [&](int t) {
     rows.Mask(acc, w.item.kv_begin + t * kBlockN, lane);
@@ -474,12 +503,19 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     FenceProxyAsync();  // P's ordinary stores before warpgroup 2's wgmma reads them
   };
 
+  // kPersistent: S has read Q for the last time (once the item's last S GEMM is done).
+  auto q_read = [&] {
+    if constexpr (T::kPersistent) {
+      if (lane == 0) BarrierArrive(s.QEmpty());
+    }
+  };
   if (w.num_tiles > 0) {
-    BarrierWait(s.QFull(), 0);
+    BarrierWait(s.QFull(), w.q_loads_before & 1);
     WgmmaFence();
     issue_qk(0);
     WgmmaCommit();
     WgmmaWait<0>();
+    if (w.num_tiles == 1) q_read();
     finish_qk();
     softmax_tile(0);  // O is still 0: its factor changes nothing
     ScoresToA(acc, pf);
@@ -498,7 +534,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       WgmmaFence();
 #pragma unroll
       for (int ks = 0; ks < T::kPSteps; ++ks) {
-        Wgmma<kHalfCols>::RSTransB(o, pf[ks], ValueDescriptor(s, t % T::kStages, 0, ks));
+        Wgmma<kHalfCols>::RSTransB(o, pf[ks], ValueDescriptor(s, w.Tile(t) % T::kStages, 0, ks));
       }
       WgmmaCommit();
       if constexpr (kMore) {
@@ -510,10 +546,11 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
       }
       PinRegisters(o);
       PinRegisters(pf);  // the GEMM read pf until here
-      Release(s, t, lane);
+      Release(s, w.Tile(t), lane);
       if constexpr (kMore) NamedBarrierArrive(kLeftDoneBarrier, 256);
       if constexpr (kMore) {
         WgmmaWait<0>();
+        if (t + 2 == w.num_tiles) q_read();
         finish_qk();
         softmax_tile(t + 1);
         ScoresToA(acc, pf);
@@ -523,6 +560,9 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     step(w.num_tiles - 1, std::false_type());
   }
 
+  // An item without keys meets warpgroup 2 at no P barrier: in a persistent kernel, wait until it
+  // has read the previous item's final rows before writing this one's.
+  if (T::kPersistent && w.num_tiles == 0) NamedBarrierSync(kFinalBarrier, 256);
   const float m[2] = {softmax.m[0], softmax.m[1]};
   const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
   if ((lane & 3) == 0) {
@@ -550,7 +590,7 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
     for (int t = 0; t < w.num_tiles; ++t) {
       // Its V half's blocks (done long since: S read them), each seen through its barrier.
 #pragma unroll
-      for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, t, cb);
+      for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, w.Tile(t), cb);
       NamedBarrierSync(kPFullBarrier, 256);
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
       RescaleAccumulator<T::kLazyRescale>(o, alpha);
@@ -560,17 +600,18 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
 #pragma unroll
       for (int ks = 0; ks < T::kPSteps; ++ks) {
         Wgmma<kHalfCols>::SSTransB(o, KMajorDescriptor(s.P() + ks * 32),
-                                   ValueDescriptor(s, t % T::kStages, kHalfCols, ks));
+                                   ValueDescriptor(s, w.Tile(t) % T::kStages, kHalfCols, ks));
       }
       WgmmaCommit();
       WgmmaWait<0>();
       PinRegisters(o);
-      Release(s, t, lane, 1);
+      Release(s, w.Tile(t), lane, 1);
       // The last tile's P is not refilled: the arrivals match the score warpgroup's waits.
       if (t + 1 < w.num_tiles) NamedBarrierArrive(kPEmptyBarrier, 256);
     }
   }
 
+  if (T::kPersistent && w.num_tiles == 0) NamedBarrierSync(kFinalBarrier, 256);  // as above
   NamedBarrierSync(kFinalBarrier, 256);
   const float m[2] = {s.FinalMax()[row_g], s.FinalMax()[row_g + 8]};
   const float sums[2] = {s.FinalSum()[row_g], s.FinalSum()[row_g + 8]};
@@ -621,6 +662,7 @@ template <int kN_>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
   static constexpr bool kClusterMerge = true;
+  static constexpr bool kPersistent = false;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
   static_assert(kN == 16 || kN == 32, "the widths of Wgmma<16> and Wgmma<32>");
   static constexpr int kBlockM = kN;
@@ -970,22 +1012,107 @@ __device__ __forceinline__ void MergeClusterOf(const MlaParams& p, const Work& w
   MergeCluster<T, kSplits>(p, w, s, tid, sink);
 }
 
-// `clustered`: the launch runs the plan's row tiles as clusters of their chunks (kClusterMerge).
+// Item `index` of the plan as a CTA runs it.
 template <typename T>
-__global__ void __launch_bounds__(T::kThreads, 1)
-    MlaSm90Kernel(const MlaParams p, const DeviceWorkItem* __restrict__ items, RowSink sink,
-                  const __grid_constant__ CUtensorMap kv_map, bool use_tma, bool clustered) {
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t raw = SharedAddress(smem);
-  const uint32_t base = (raw + 1023u) & ~1023u;
-  const Smem<T> s{base, smem + (base - raw)};
-
+__device__ __forceinline__ Work WorkOf(const MlaParams& p, const DeviceWorkItem* items, int index) {
   Work w;
-  const DeviceWorkItem& planned = items[blockIdx.x];
+  const DeviceWorkItem& planned = items[index];
   w.item = planned.item;
   w.seq = ExtentOf(planned, p.batch);
   w.num_rows = w.seq.q_len * p.num_heads;
   w.num_tiles = max(0, (w.item.kv_end - w.item.kv_begin + T::kBlockN - 1) / T::kBlockN);
+  return w;
+}
+
+// Persistent kernels (T::kPersistent): a grid of at most one CTA an SM, each running item
+// blockIdx.x and then items gridDim.x + n for the tickets n it draws from the plan's counter
+// (DevicePlan::schedule), in the plan's longest-first order, until none is left; so a CTA's next
+// Q and first key tiles load while its consumers finish the last tiles of the item before and
+// store its rows, where a CTA an item paid for them (and for its start) between items. Thread 0
+// draws each ticket an item ahead and hands the index to every thread of the CTA through
+// WorkSlot (-1: none left); the last CTA to finish sets the counter back to zero.
+template <typename T>
+struct ItemQueue {
+  const Smem<T>& s;
+  int num_items;
+  uint32_t* schedule;
+
+  // Thread 0: the next ticket's item index.
+  __device__ __forceinline__ int Draw() const {
+    return static_cast<int>(gridDim.x + atomicAdd(&schedule[0], 1u));
+  }
+
+  // Thread 0: publishes the CTA's item k >= 1, `index` (past the last item: none, -1).
+  __device__ __forceinline__ void Publish(int k, int index) const {
+    const int slot = (k - 1) % 2, use = (k - 1) / 2;
+    if (use > 0) BarrierWait(s.WorkEmpty(slot), (use - 1) & 1);
+    *s.WorkSlot(slot) = index < num_items ? index : -1;
+    BarrierArrive(s.WorkFull(slot));
+  }
+
+  // Every thread, once for each k >= 1 in order: the index of the CTA's item k, or -1. The same
+  // in every lane of a warp, as the compiler sees (so that it takes what depends on it for
+  // uniform, as it does blockIdx.x).
+  __device__ __forceinline__ int Read(int k) const {
+    const int slot = (k - 1) % 2, use = (k - 1) / 2;
+    BarrierWait(s.WorkFull(slot), use & 1);
+    const int index = *s.WorkSlot(slot);
+    BarrierArrive(s.WorkEmpty(slot));
+    return __shfl_sync(0xffffffffu, index, 0);
+  }
+
+  // Thread 0, once it drew past the last item: the last CTA to get here zeroes the counter.
+  __device__ __forceinline__ void Finish() const {
+    __threadfence();
+    if (atomicAdd(&schedule[1], 1u) == gridDim.x - 1) {
+      schedule[0] = 0;
+      schedule[1] = 0;
+    }
+  }
+};
+
+// Runs fn(w) on each item of the CTA: `first` (item blockIdx.x) alone, or (T::kPersistent) it and
+// then those of the queue. kProducer: the calling warpgroup is the producer, whose thread 0 draws
+// and publishes the items.
+template <typename T, bool kProducer, typename Fn>
+__device__ __forceinline__ void ForEachItem(const MlaParams& p, const DeviceWorkItem* items,
+                                            const ItemQueue<T>& queue, const Work& first, Fn&& fn) {
+  if constexpr (!T::kPersistent) {
+    fn(first);
+  } else {
+    const bool drawer = kProducer && threadIdx.x == 0;
+    int tiles = 0, q_loads = 0;
+    Work w = first;
+    for (int k = 1;; ++k) {
+      fn(w);
+      tiles += w.num_tiles;
+      q_loads += w.num_tiles > 0 ? 1 : 0;
+      __syncwarp();  // converge each warp before the next item's GEMMs (file comment)
+      // Drawn once the producer has issued the item's copies: its next Q waits for the item's
+      // last S anyway, about a tile later.
+      if (drawer) queue.Publish(k, queue.Draw());
+      const int index = queue.Read(k);
+      if (index < 0) break;
+      w = WorkOf<T>(p, items, index);
+      w.tiles_before = tiles;
+      w.q_loads_before = q_loads;
+    }
+    if (drawer) queue.Finish();
+  }
+}
+
+// `clustered`: the launch runs the plan's row tiles as clusters of their chunks (kClusterMerge).
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    MlaSm90Kernel(const MlaParams p, const DeviceWorkItem* __restrict__ items, int num_items,
+                  uint32_t* schedule, RowSink sink, const __grid_constant__ CUtensorMap kv_map,
+                  bool use_tma, bool clustered) {
+  static_assert(!(T::kPersistent && T::kClusterMerge));
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t raw = SharedAddress(smem);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  const Smem<T> s{base, smem + (base - raw)};
+  const ItemQueue<T> queue{s, num_items, schedule};
 
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -997,27 +1124,39 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         BarrierInit(s.KvEmpty(i, h), T::kConsumerWarps / T::kReleases);
       }
     }
+    if constexpr (T::kPersistent) {
+      BarrierInit(s.QEmpty(), 4);  // the score warpgroup's warps
+      for (int slot = 0; slot < 2; ++slot) {
+        BarrierInit(s.WorkFull(slot), 1);
+        BarrierInit(s.WorkEmpty(slot), T::kThreads);
+      }
+    }
   }
   __syncthreads();
 
+  const Work first = WorkOf<T>(p, items, blockIdx.x);
   if (tid < 128) {
     if constexpr (!T::kNarrow) ReleaseRegisters<T::kProducerRegisters>();
-    Produce<T>(p, w, s, kv_map, use_tma, tid);
+    ForEachItem<T, true>(p, items, queue, first,
+                         [&](const Work& w) { Produce<T>(p, w, s, kv_map, use_tma, tid); });
+    if constexpr (T::kPersistent) WaitAllCopies();
   } else if constexpr (T::kNarrow) {
-    ConsumeNarrow<T>(p, w, s, tid - 128, sink, clustered);
+    ConsumeNarrow<T>(p, first, s, tid - 128, sink, clustered);
   } else if (tid < 256) {
     ClaimRegisters<T::kFirstRegisters>();
-    ConsumeScores<T>(p, w, s, tid - 128, sink);
+    ForEachItem<T, false>(p, items, queue, first,
+                          [&](const Work& w) { ConsumeScores<T>(p, w, s, tid - 128, sink); });
   } else {
     ClaimRegisters<T::kSecondRegisters>();
-    ConsumeSecond<T>(p, w, s, tid - 256, sink);
+    ForEachItem<T, false>(p, items, queue, first,
+                          [&](const Work& w) { ConsumeSecond<T>(p, w, s, tid - 256, sink); });
   }
   if constexpr (T::kClusterMerge) {
     if (clustered) {
       // Every thread of the cluster, the producers' too: each CTA's chunk is staged, then no CTA
       // leaves while another may still read its shared memory.
       cooperative_groups::this_cluster().sync();
-      MergeClusterOf<T>(p, w, s, tid, sink,
+      MergeClusterOf<T>(p, first, s, tid, sink,
                         static_cast<int>(cooperative_groups::this_cluster().num_blocks()));
       cooperative_groups::this_cluster().sync();
     }
@@ -1061,8 +1200,18 @@ struct Config {
                       plan.num_items % plan.cluster_splits != 0)) {
       return cudaErrorInvalidValue;
     }
+    if (T::kPersistent && plan.schedule == nullptr) return cudaErrorInvalidValue;
+    int grid = plan.num_items;
+    if constexpr (T::kPersistent) {  // one CTA an SM (its shared memory allows no more)
+      static_assert(2 * T::kSmemBytes > 228 * 1024);
+      int device = 0, sms = 0;
+      ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+      ATTN_CUDA_RETURN_IF_ERROR(
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      grid = std::min(grid, sms);
+    }
     cudaLaunchConfig_t config{};
-    config.gridDim = dim3(plan.num_items);
+    config.gridDim = dim3(grid);
     config.blockDim = dim3(T::kThreads);
     config.dynamicSmemBytes = T::kSmemBytes;
     config.stream = stream;
@@ -1073,8 +1222,8 @@ struct Config {
     cluster.val.clusterDim.z = 1;
     config.attrs = &cluster;
     config.numAttrs = clustered ? 1 : 0;
-    ATTN_CUDA_RETURN_IF_ERROR(
-        cudaLaunchKernelEx(&config, kKernel, p, plan.items, sink, kv_map, use_tma, clustered));
+    ATTN_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kKernel, p, plan.items, plan.num_items,
+                                                 plan.schedule, sink, kv_map, use_tma, clustered));
     ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
     return cudaSuccess;
   }
@@ -1127,6 +1276,10 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<0, true, true>>());
     case kMlaSm90LateRightTmaTouch2LazyLean:
       return fn(Config<Traits<2, true, true>>());
+    case kMlaSm90PersistentLean:
+      return fn(Config<Traits<0, true, true, true>>());
+    case kMlaSm90PersistentTouch2Lean:
+      return fn(Config<Traits<2, true, true, true>>());
     default:
       return cudaErrorInvalidValue;
   }
