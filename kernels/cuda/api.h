@@ -107,8 +107,13 @@ inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead int
 // flush, and gain nothing from a clean L2). Numbered 5 as when it was measured beside 2-4, 6 and
 // 7, since removed (gqa_decode.cu has what they showed).
 inline constexpr int kGqaDecodeAdaptive = 5;
+// 5 with each K and V row copied by one cp.async.bulk (sm_90+, head_dim 128; trial): ~125 fewer
+// instructions a thread per 64-key tile, which the H200's bytes per SM clock may need
+// (gqa_decode.cu).
+inline constexpr int kGqaDecodeBulkRows = 11;
 inline constexpr bool IsGqaDecodeVariant(int v) {
-  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive;
+  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive ||
+         v == kGqaDecodeBulkRows;
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute

@@ -172,7 +172,8 @@ std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidate
 // The GQA decode variants every run checks (the default resolves to kGqaDecodeAdaptive).
 std::vector<int> DecodeVariants(int head_dim) {
   return AcceptedVariants(
-      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive},
+      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive,
+       cuda::kGqaDecodeBulkRows},
       [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, true, t); });
 }
 

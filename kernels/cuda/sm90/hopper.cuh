@@ -11,50 +11,15 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/common/mbarrier.cuh"
+
 namespace attn::cuda::sm90 {
 
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// ---- mbarrier (one 8-byte word of shared memory each).
-
-__device__ __forceinline__ void BarrierInit(uint32_t bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
-}
-
-// One arrival of the calling thread.
-__device__ __forceinline__ void BarrierArrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// An arrival once every cp.async the calling thread issued before has landed. The barrier's
-// arrival count must include it (.noinc: the pending count is not raised first).
-__device__ __forceinline__ void BarrierArriveOnCopies(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-// Waits until the phase with the given parity has completed. A fresh barrier is in phase 0, so
-// waiting on parity 1 returns at once (the producer's first pass over a ring of stages).
-__device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-// An arrival of the calling thread that also expects `bytes` more of asynchronous copies (TMA)
-// to complete on the barrier before its phase can.
-__device__ __forceinline__ void BarrierArriveExpectTx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
+// ---- mbarriers: kernels/cuda/common/mbarrier.cuh.
 
 // ---- copies and fences.
 
