@@ -1,5 +1,5 @@
-// Hopper (sm_90a) building blocks in PTX: mbarriers, cp.async that completes on an mbarrier, TMA,
-// the generic-to-async proxy fence, register reallocation between warpgroups and the shared
+// Hopper (sm_90a) building blocks in PTX (the mbarriers are kernels/cuda/common/mbarrier.cuh's):
+// TMA, the generic-to-async proxy fence, register reallocation between warpgroups and the shared
 // memory matrix descriptors wgmma reads its operands through (kernels/cuda/sm90/wgmma.cuh).
 //
 // Shared memory is addressed by 32-bit shared-window addresses throughout (what the PTX

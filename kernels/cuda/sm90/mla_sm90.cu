@@ -1028,9 +1028,10 @@ __device__ __forceinline__ Work WorkOf(const MlaParams& p, const DeviceWorkItem*
 // blockIdx.x and then items gridDim.x + n for the tickets n it draws from the plan's counter
 // (DevicePlan::schedule), in the plan's longest-first order, until none is left; so a CTA's next
 // Q and first key tiles load while its consumers finish the last tiles of the item before and
-// store its rows, where a CTA an item paid for them (and for its start) between items. Thread 0
-// draws each ticket an item ahead and hands the index to every thread of the CTA through
-// WorkSlot (-1: none left); the last CTA to finish sets the counter back to zero.
+// store its rows, where a CTA an item paid for them (and for its start) between items. The
+// producer's thread 0 draws a ticket once it has issued an item's copies and hands the index to
+// every thread of the CTA through WorkSlot (-1: none left); the last CTA to finish sets the
+// counter back to zero.
 template <typename T>
 struct ItemQueue {
   const Smem<T>& s;
