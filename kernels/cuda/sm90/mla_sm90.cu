@@ -1016,7 +1016,7 @@ __device__ __forceinline__ void MergeClusterOf(const MlaParams& p, const Work& w
 template <typename T>
 __device__ __forceinline__ Work WorkOf(const MlaParams& p, const DeviceWorkItem* items, int index) {
   Work w;
-  const DeviceWorkItem& planned = items[index];
+  const DeviceWorkItem& planned = items[static_cast<uint32_t>(index)];  // never negative
   w.item = planned.item;
   w.seq = ExtentOf(planned, p.batch);
   w.num_rows = w.seq.q_len * p.num_heads;
@@ -1114,6 +1114,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const uint32_t base = (raw + 1023u) & ~1023u;
   const Smem<T> s{base, smem + (base - raw)};
   const ItemQueue<T> queue{s, num_items, schedule};
+  const Work first = WorkOf<T>(p, items, blockIdx.x);
 
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -1135,7 +1136,6 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   }
   __syncthreads();
 
-  const Work first = WorkOf<T>(p, items, blockIdx.x);
   if (tid < 128) {
     if constexpr (!T::kNarrow) ReleaseRegisters<T::kProducerRegisters>();
     ForEachItem<T, true>(p, items, queue, first,
