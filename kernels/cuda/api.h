@@ -53,6 +53,7 @@ struct DevicePlan {
   // count of CTAs done with it. Zero before a launch; the last CTA to finish leaves both zero
   // again, so that launches in one stream may share it.
   uint32_t* schedule = nullptr;
+  int cta_slots = 0;  // CTAs the device holds at once (KernelTiling): a persistent kernel's grid
 };
 
 // GQA prefill variants (KernelTiling::variant): below 10 the portable kernel's tile shapes; 10 and

@@ -153,6 +153,7 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   }
   device_plan_ = DevicePlan{};
   device_plan_.variant = tiling.variant;
+  device_plan_.cta_slots = tiling.ctas_per_sm * tiling.num_sms;
 
   const int64_t rows = batch.total_q;
   Sections in;

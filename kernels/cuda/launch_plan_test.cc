@@ -263,6 +263,7 @@ TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
   EXPECT_EQ(dp.partial_lse, workspace.data() + plan.plan().partial_rows * kMlaCkvDim);
   EXPECT_EQ(dp.num_merges, 1);
   EXPECT_EQ(dp.max_splits, plan.plan().max_splits);
+  EXPECT_EQ(dp.cta_slots, 4);  // one CTA an SM on 4 SMs: a persistent kernel's grid
 }
 
 // The benchmarks' override of when to split: a decode that fills its CTA slots stays whole by the

@@ -1201,16 +1201,11 @@ struct Config {
                       plan.num_items % plan.cluster_splits != 0)) {
       return cudaErrorInvalidValue;
     }
-    if (T::kPersistent && plan.schedule == nullptr) return cudaErrorInvalidValue;
-    int grid = plan.num_items;
-    if constexpr (T::kPersistent) {  // one CTA an SM (its shared memory allows no more)
-      static_assert(2 * T::kSmemBytes > 228 * 1024);
-      int device = 0, sms = 0;
-      ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-      ATTN_CUDA_RETURN_IF_ERROR(
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      grid = std::min(grid, sms);
+    if (T::kPersistent && (plan.schedule == nullptr || plan.cta_slots <= 0)) {
+      return cudaErrorInvalidValue;
     }
+    // A persistent launch: as many CTAs as the device holds at once (one an SM), or fewer items.
+    const int grid = T::kPersistent ? std::min(plan.num_items, plan.cta_slots) : plan.num_items;
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(grid);
     config.blockDim = dim3(T::kThreads);
