@@ -400,6 +400,12 @@ struct TilingOf {
   static cudaError_t Run(KernelTiling* tiling) { return Tiling<kHeadDim, kKernel>(tiling); }
 };
 
+// The variants whose split launches take the split build (kSplitKeysBit) and the wide dependent
+// merge: the adaptive one and its bulk-copy trial.
+bool SplitsAdaptively(int variant) {
+  return variant == kGqaDecodeAdaptive || variant == kGqaDecodeBulkRows;
+}
+
 // The build a plan's variant runs at a page size, on a launch that splits keys or not. Variants 0
 // and 1 stay as bench/RESULTS.md measured them; the others take staged page ids where a tile
 // spans several pages (page size 1: 64 ids a tile, read from DRAM), the page-table reads otherwise
@@ -411,8 +417,7 @@ int KernelOf(int variant, int page_size, bool splits) {
   if (variant == kGqaDecodeStagedPageIds) return kStagedIdsBit;
   const int ids = page_size < kBlockN ? kStagedIdsBit : 0;
   const int bulk = variant == kGqaDecodeBulkRows ? kBulkRowsBit : 0;
-  const bool adaptive = variant == kGqaDecodeAdaptive || variant == kGqaDecodeBulkRows;
-  return (adaptive && splits ? ids | kSplitKeysBit : ids) | bulk;
+  return (SplitsAdaptively(variant) && splits ? ids | kSplitKeysBit : ids) | bulk;
 }
 
 }  // namespace
@@ -423,8 +428,7 @@ cudaError_t LaunchGqaDecode(const GqaParams& p, const DevicePlan& plan, cudaStre
 }
 
 MergeKind GqaDecodeMergeKind(int variant) {
-  return variant == kGqaDecodeAdaptive || variant == kGqaDecodeBulkRows ? MergeKind::kWideDependent
-                                                                        : MergeKind::kRows;
+  return SplitsAdaptively(variant) ? MergeKind::kWideDependent : MergeKind::kRows;
 }
 
 cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
@@ -437,10 +441,8 @@ cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
     return cudaErrorInvalidValue;
   }
   if (variant == kGqaDecodeBulkRows) {  // cp.async.bulk and mbarrier waits: sm_90 on
-    int device = 0, major = 0;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-    ATTN_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    int major = 0;
+    ATTN_CUDA_RETURN_IF_ERROR(CurrentComputeMajor(&major));
     if (major < 9 || head_dim != 128) return cudaErrorNotSupported;
   }
   return Dispatch<TilingOf>(head_dim, KernelOf(variant, 1, false), tiling);

@@ -201,10 +201,8 @@ cudaError_t LaunchMergeStates(const DevicePlan& plan, int num_heads, int out_dim
     config.dynamicSmemBytes = kMaxThreads * sizeof(float4) + plan.max_splits * sizeof(float);
     // Programmatic dependent launches exist from compute capability 9.0; before it the merge
     // waits for the attention as any launch does.
-    int device = 0, major = 0;
-    ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-    ATTN_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    int major = 0;
+    ATTN_CUDA_RETURN_IF_ERROR(CurrentComputeMajor(&major));
     if (major >= 9) {
       config.attrs = &dependent;
       config.numAttrs = 1;

@@ -26,6 +26,13 @@ cudaError_t DescribeKernel(Kernel kernel, int threads, int smem_bytes, int block
                                                        smem_bytes);
 }
 
+// The current device's compute capability major version (9: Hopper).
+inline cudaError_t CurrentComputeMajor(int* major) {
+  int device = 0;
+  ATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  return cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device);
+}
+
 // Launches over (work item, KV head) pairs use a 1-D grid in item-major order: the CTAs of one
 // item's heads are adjacent, so the GPU starts items in the planner's longest-first order across
 // all heads. (A grid of (items, heads) starts each head's items from the longest again, leaving
