@@ -165,12 +165,17 @@ inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 // item's Q and first keys while it finishes the one before.
 inline constexpr int kMlaSm90PersistentLean = 45;
 inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
+// 39 and 40 with the keys in a ring of 8 KiB column blocks (trials, kBlockRing in
+// kernels/cuda/sm90/mla_sm90.cu), each refilled as soon as it is read, instead of two whole stages.
+inline constexpr int kMlaSm90Narrow16Ring = 47;
+inline constexpr int kMlaSm90Narrow32Ring = 48;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 ||
          v == kMlaSm90LateRightTmaTouch2 || v == kMlaSm90LateRightTmaLazy ||
          v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
          v == kMlaSm90LateRightTmaTouch2LazyLean || v == kMlaSm90PersistentLean ||
-         v == kMlaSm90PersistentTouch2Lean;
+         v == kMlaSm90PersistentTouch2Lean || v == kMlaSm90Narrow16Ring ||
+         v == kMlaSm90Narrow32Ring;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of
