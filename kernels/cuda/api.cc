@@ -86,14 +86,16 @@ constexpr double kLeanHbmPerSm = 30e9;
 // prefill's TMA tiles (page sizes that are multiples of 64), whose items of one sequence read the
 // same pages together, only pay for the touch (+3%). Prefills take the score warpgroup's lean
 // softmax pass (43, 44: the page-64 prefill 860.0 -> 849.8 us, the page-1 seed 253.2 -> 250.5 us
-// on the H200), which the 128-head decode does not gain from (41: 254.7 us, 43: 258.5);
-// bench/RESULTS.md has each.
+// on the H200), which the 128-head decode does not gain from (41: 254.7 us, 43: 258.5), in
+// persistent CTAs (45, 46: a prefill's ~1500 items of a few tiles each pay a CTA's start and Q
+// between items no more; on the H100 the page-64 prefill 850 -> 821 us, the page-1 seed 254 ->
+// 235 us; the 128-head decode's 256 long items gain nothing from it); bench/RESULTS.md has each.
 int DefaultSm90Mla(int num_heads, int page_size, bool decode, double hbm_per_sm) {
   static_assert(kMlaSm90NarrowMaxHeads == 32);
   if (decode && num_heads <= 16) return kMlaSm90Narrow16;
   if (decode && num_heads <= 32) return kMlaSm90Narrow32;
   const bool tma_tiles = page_size % kMlaSm90KeyTile == 0;
-  if (!decode) return tma_tiles ? kMlaSm90LateRightTmaLazyLean : kMlaSm90LateRightTmaTouch2LazyLean;
+  if (!decode) return tma_tiles ? kMlaSm90PersistentLean : kMlaSm90PersistentTouch2Lean;
   if (!tma_tiles || hbm_per_sm < kLeanHbmPerSm) return kMlaSm90LateRightTmaTouch2Lazy;
   return kDefaultSm90MlaWideDecode;
 }

@@ -118,8 +118,8 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
-// capability 9.0), of which the default (-1) selects kMlaSm90LateRightTmaLazyLean (prefills on TMA
-// tiles), kMlaSm90LateRightTmaTouch2LazyLean (other prefills), kMlaSm90LateRightTmaLazy (wide
+// capability 9.0), of which the default (-1) selects kMlaSm90PersistentLean (prefills on TMA
+// tiles), kMlaSm90PersistentTouch2Lean (other prefills), kMlaSm90LateRightTmaLazy (wide
 // decodes on TMA tiles where HBM is fast), kMlaSm90LateRightTmaTouch2Lazy (other wide decodes),
 // kMlaSm90Narrow16 or kMlaSm90Narrow32 (decodes of few heads) where they run
 // (kernels/cuda/sm90/mla_sm90.cu; api.cc's DefaultSm90Mla says why). The numbers are those the
@@ -160,9 +160,9 @@ inline constexpr int kMlaSm90LateRightTmaTouch2Lazy = 42;
 // decodes keep 41 and 42; bench/RESULTS.md, 2026-12-06).
 inline constexpr int kMlaSm90LateRightTmaLazyLean = 43;
 inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
-// 43 and 44 persistent (trials, kPersistent in kernels/cuda/sm90/mla_sm90.cu): one CTA an SM takes
-// items from the plan's counter (DevicePlan::schedule) until none is left, loading the next
-// item's Q and first keys while it finishes the one before.
+// 43 and 44 persistent (kPersistent in kernels/cuda/sm90/mla_sm90.cu): one CTA an SM takes items
+// from the plan's counter (DevicePlan::schedule) until none is left, loading the next item's Q
+// and first keys while it finishes the one before: the prefills' defaults.
 inline constexpr int kMlaSm90PersistentLean = 45;
 inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
 // 39 and 40 with the keys in a ring of 8 KiB column blocks (trials, kBlockRing in

@@ -191,7 +191,9 @@ std::vector<int> MlaVariants(const MlaGeometry& g) {
                                  cuda::kMlaSm90LateRightTmaLazy,
                                  cuda::kMlaSm90LateRightTmaTouch2Lazy,
                                  cuda::kMlaSm90LateRightTmaLazyLean,
-                                 cuda::kMlaSm90LateRightTmaTouch2LazyLean};
+                                 cuda::kMlaSm90LateRightTmaTouch2LazyLean,
+                                 cuda::kMlaSm90PersistentLean,
+                                 cuda::kMlaSm90PersistentTouch2Lean};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates = ParseList(list);
     for (int v : candidates) {
