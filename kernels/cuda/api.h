@@ -169,13 +169,16 @@ inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
 // kernels/cuda/sm90/mla_sm90.cu), each refilled as soon as it is read, instead of two whole stages.
 inline constexpr int kMlaSm90Narrow16Ring = 47;
 inline constexpr int kMlaSm90Narrow32Ring = 48;
+// 39 and 40 with S in four chains of k-steps (trials, kSChains in kernels/cuda/sm90/mla_sm90.cu).
+inline constexpr int kMlaSm90Narrow16Chains = 49;
+inline constexpr int kMlaSm90Narrow32Chains = 50;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 ||
          v == kMlaSm90LateRightTmaTouch2 || v == kMlaSm90LateRightTmaLazy ||
          v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
          v == kMlaSm90LateRightTmaTouch2LazyLean || v == kMlaSm90PersistentLean ||
          v == kMlaSm90PersistentTouch2Lean || v == kMlaSm90Narrow16Ring ||
-         v == kMlaSm90Narrow32Ring;
+         v == kMlaSm90Narrow32Ring || v == kMlaSm90Narrow16Chains || v == kMlaSm90Narrow32Chains;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

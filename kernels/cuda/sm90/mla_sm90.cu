@@ -697,13 +697,18 @@ constexpr int kMaxClusterSplits = 8;  // the largest portable cluster
 // consumer is done with it: P V's column blocks are waited for and freed a pair at a time. Where
 // whole stages had one tile in flight while the consumer held the other, the ring has 16 of the
 // 25 blocks in flight (at 16 heads; the producer waited for a free stage most of its time).
-template <int kN_, bool kBlockRing = false>
+// kSChains: S's 36 k-steps accumulate round-robin into that many accumulators, independent chains
+// of wgmmas added once the GEMM is done (as the 64-row kernels' two): an m64n16k16 is a fraction of
+// the latency of the one before it on the same accumulator.
+template <int kN_, bool kBlockRing = false, int kSChains_ = 1>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
   static constexpr bool kClusterMerge = true;
   static constexpr bool kPersistent = false;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
   static_assert(kN == 16 || kN == 32, "the widths of Wgmma<16> and Wgmma<32>");
+  static constexpr int kSChains = kSChains_;
+  static_assert(kKSteps % kSChains == 0);
   static constexpr int kBlockM = kN;
   static constexpr int kThreads = 256;  // the producer and one consumer warpgroup
   static constexpr int kConsumerWarps = 4;
@@ -788,6 +793,7 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
 
   float o[T::kOBlocks][kNT][4] = {};
   float acc[kNT][4];
+  float acc_more[T::kSChains > 1 ? T::kSChains - 1 : 1][kNT][4];  // S's chains 1, 2, ...
   float m[kNT][2], d[kNT][2];  // per head: running max of s' and this lane's share of the sum
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
@@ -819,7 +825,25 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
         a = k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4);
       }
       const uint64_t b = q_desc + (((ks / 4) * T::kQBlockBytes + in_block) >> 4);
-      Wgmma<kN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
+      const uint32_t accumulate = ks >= T::kSChains ? 1u : 0u;
+      if (ks % T::kSChains == 0) {
+        Wgmma<kN>::SS(acc, a, b, accumulate);
+      } else {
+        Wgmma<kN>::SS(acc_more[ks % T::kSChains - 1], a, b, accumulate);
+      }
+    }
+  };
+  // Once S's GEMM is done: its chains are the compiler's again, added into acc.
+  auto finish_s = [&] {
+    PinRegisters(acc);
+#pragma unroll
+    for (int c = 0; c + 1 < T::kSChains; ++c) {
+      PinRegisters(acc_more[c]);
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += acc_more[c][j][e];
+      }
     }
   };
   // Committed as one group, or (kRingBlocks) as a group for each pair of V's column blocks.
@@ -953,7 +977,7 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
     issue_s(0);
     WgmmaCommit();
     WgmmaWait<0>();
-    PinRegisters(acc);
+    finish_s();
     softmax(0);
     // P V of tile t, waited for, then (kMore) S of tile t + 1 on the other stage. Tile t's stage
     // is released as soon as P V is done, before S of tile t + 1, whose issue waits for each of
@@ -973,7 +997,7 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
         issue_s(t + 1);
         WgmmaCommit();
         WgmmaWait<0>();
-        PinRegisters(acc);
+        finish_s();
         softmax(t + 1);
       }
     };
@@ -1376,6 +1400,10 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<16, true>>());
     case kMlaSm90Narrow32Ring:
       return fn(Config<NarrowTraits<32, true>>());
+    case kMlaSm90Narrow16Chains:
+      return fn(Config<NarrowTraits<16, false, 4>>());
+    case kMlaSm90Narrow32Chains:
+      return fn(Config<NarrowTraits<32, false, 4>>());
     default:
       return cudaErrorInvalidValue;
   }
