@@ -108,13 +108,8 @@ inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead int
 // flush, and gain nothing from a clean L2). Numbered 5 as when it was measured beside 2-4, 6 and
 // 7, since removed (gqa_decode.cu has what they showed).
 inline constexpr int kGqaDecodeAdaptive = 5;
-// 5 with each K and V row copied by one cp.async.bulk (sm_90+, head_dim 128; trial): ~125 fewer
-// instructions a thread per 64-key tile, which the H200's bytes per SM clock may need
-// (gqa_decode.cu).
-inline constexpr int kGqaDecodeBulkRows = 11;
 inline constexpr bool IsGqaDecodeVariant(int v) {
-  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive ||
-         v == kGqaDecodeBulkRows;
+  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive;
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
@@ -165,20 +160,12 @@ inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 // and first keys while it finishes the one before: the prefills' defaults.
 inline constexpr int kMlaSm90PersistentLean = 45;
 inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
-// 39 and 40 with the keys in a ring of 8 KiB column blocks (trials, kBlockRing in
-// kernels/cuda/sm90/mla_sm90.cu), each refilled as soon as it is read, instead of two whole stages.
-inline constexpr int kMlaSm90Narrow16Ring = 47;
-inline constexpr int kMlaSm90Narrow32Ring = 48;
-// 39 and 40 with S in four chains of k-steps (trials, kSChains in kernels/cuda/sm90/mla_sm90.cu).
-inline constexpr int kMlaSm90Narrow16Chains = 49;
-inline constexpr int kMlaSm90Narrow32Chains = 50;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 ||
          v == kMlaSm90LateRightTmaTouch2 || v == kMlaSm90LateRightTmaLazy ||
          v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
          v == kMlaSm90LateRightTmaTouch2LazyLean || v == kMlaSm90PersistentLean ||
-         v == kMlaSm90PersistentTouch2Lean || v == kMlaSm90Narrow16Ring ||
-         v == kMlaSm90Narrow32Ring || v == kMlaSm90Narrow16Chains || v == kMlaSm90Narrow32Chains;
+         v == kMlaSm90PersistentTouch2Lean;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

@@ -172,8 +172,7 @@ std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidate
 // The GQA decode variants every run checks (the default resolves to kGqaDecodeAdaptive).
 std::vector<int> DecodeVariants(int head_dim) {
   return AcceptedVariants(
-      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive,
-       cuda::kGqaDecodeBulkRows},
+      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive},
       [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, true, t); });
 }
 
@@ -186,8 +185,6 @@ std::vector<int> MlaVariants(const MlaGeometry& g) {
                                  cuda::kMlaSm90LateRightTma,
                                  cuda::kMlaSm90Narrow16,
                                  cuda::kMlaSm90Narrow32,
-                                 cuda::kMlaSm90Narrow16Ring,
-                                 cuda::kMlaSm90Narrow32Ring,
                                  cuda::kMlaSm90LateRightTmaLazy,
                                  cuda::kMlaSm90LateRightTmaTouch2Lazy,
                                  cuda::kMlaSm90LateRightTmaLazyLean,
@@ -744,40 +741,6 @@ TEST_F(KernelTest, PersistentMlaRunsEveryItemOnce) {
         EXPECT_EQ(0, std::memcmp(r.out.data(), want[0].out.data(), r.out.size() * sizeof(bf16)));
         EXPECT_EQ(0, std::memcmp(r.lse.data(), want[0].lse.data(), r.lse.size() * sizeof(float)));
       }
-    }
-  }
-}
-
-// The narrow kernels' ring of column blocks (47, 48) changes when keys are copied and when P V's
-// groups are waited for, not what is computed: bit for bit what 39 / 40 give, on a decode whose
-// long sequence splits into a cluster (and whose ring wraps mid-tile many times) and on ragged
-// and empty ones, at page size 1 and 64.
-TEST_F(KernelTest, NarrowMlaRingMatchesStages) {
-  std::mt19937_64 rng(Seed());
-  BatchOptions decode;
-  decode.decode = true;
-  decode.append = true;
-  decode.sm_scale = 0.1352337747812271f;
-  std::vector<int> kv_lens = {12000, 0, 1, 63, 64, 65};
-  for (int i = 0; i < 40; ++i) kv_lens.push_back(1 + static_cast<int>(rng() % 3000));
-  const std::pair<int, int> pairs[] = {{16, cuda::kMlaSm90Narrow16Ring},
-                                       {32, cuda::kMlaSm90Narrow32Ring}};
-  for (int page_size : {64, 1}) {
-    for (const auto& [heads, ring] : pairs) {
-      SCOPED_TRACE(::testing::Message() << "page " << page_size << " heads " << heads);
-      if (AcceptedVariants({ring}, [&](cuda::KernelTiling* t) {
-            return cuda::GetMlaTiling(heads, page_size, true, t);
-          }).empty()) {
-        GTEST_SKIP() << "no narrow MLA kernel on this device";
-      }
-      MlaHostBatch host = MakeMlaBatch({1, page_size, heads}, Decode(kv_lens), decode, rng);
-      const int stages = heads == 16 ? cuda::kMlaSm90Narrow16 : cuda::kMlaSm90Narrow32;
-      std::vector<Got> got;
-      ASSERT_NO_FATAL_FAILURE(RunVariants(host, {stages, ring}, &got));
-      EXPECT_EQ(
-          0, std::memcmp(got[1].out.data(), got[0].out.data(), got[0].out.size() * sizeof(bf16)));
-      EXPECT_EQ(
-          0, std::memcmp(got[1].lse.data(), got[0].lse.data(), got[0].lse.size() * sizeof(float)));
     }
   }
 }

@@ -13,7 +13,10 @@
 // every copy is a plain one. The zero-filling copies, their source-size selects and a K and a V
 // pass that each read every offset took ~27 instructions a 16-byte copy, and the tile loop 903
 // instructions a thread; now ~9 and 566 (bench/RESULTS.md, 2026-12-06: cuDNN's decode, the same
-// grid and occupancy, issues 2.6x fewer instructions and reads DRAM 3% faster).
+// grid and occupancy, issues 2.6x fewer instructions and reads DRAM 3% faster). Fewer still, each
+// K and V row by one cp.async.bulk a thread into padded rows, completing on an mbarrier a stage
+// (trial 11: ~390 fewer instructions in the head_dim-128 kernels), ran 3-5% slower on every
+// unsplit decode on two H100s (bench/RESULTS.md, 2026-12-07) and was dropped.
 //
 // Page tables: page size 1 reads one page id per key, and those reads miss L2 (the L2 holds K/V,
 // and the ids of the next tile are the next 256 bytes of the table). kGqaDecodePageIdsPerTile
@@ -48,12 +51,9 @@
 // decode-only, and a 128-row prefill CTA would be mostly padding.
 #include <cuda_runtime.h>
 
-#include <type_traits>
-
 #include "kernels/cuda/common/cuda_check.h"
 #include "kernels/cuda/common/epilogue.cuh"
 #include "kernels/cuda/common/launch.h"
-#include "kernels/cuda/common/mbarrier.cuh"
 #include "kernels/cuda/common/smem_tile.cuh"
 #include "kernels/cuda/common/softmax_state.cuh"
 #include "kernels/cuda/launchers.h"
@@ -78,11 +78,6 @@ constexpr int kStagedIdsBit = 1;  // page ids through shared memory (PageIdStage
 // For launches that split keys (file comment): K/V copied under EvictFirstPolicy, and the merge,
 // a programmatic dependent launch, let start as each CTA starts.
 constexpr int kSplitKeysBit = 2;
-// K/V rows by cp.async.bulk (sm_90+, head_dim 128; trial kGqaDecodeBulkRows): each thread copies a
-// whole K or V row of a tile with one instruction, where cp.async takes 16 a thread, into rows
-// padded by 16 bytes (no swizzle: a bulk copy writes a row as it is), completing on the stage's
-// mbarrier.
-constexpr int kBulkRowsBit = 4;
 
 // A build's tiles and how it finds its rows.
 template <int kHeadDim, int kKernel>
@@ -90,15 +85,12 @@ struct DecodeTraits {
   static constexpr int kStages = StagesFor(kHeadDim);
   static constexpr bool kStagedIds = (kKernel & kStagedIdsBit) != 0;
   static constexpr bool kSplitKeys = (kKernel & kSplitKeysBit) != 0;
-  static constexpr bool kBulkRows = (kKernel & kBulkRowsBit) != 0;
-  static_assert(!kBulkRows || kThreads == 2 * kBlockN, "a thread a K or V row");
 
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr bool kQInRegisters = kHeadDim <= 128;
-  using Tile = SwizzledTile<kHeadDim>;  // Q's, and K/V's but for kBulkRows
-  using KvTile = std::conditional_t<kBulkRows, PaddedTile<kHeadDim>, Tile>;
-  static constexpr int kTileElems = kBlockN * KvTile::kStride;
+  using Tile = SwizzledTile<kHeadDim>;
+  static constexpr int kTileElems = kBlockN * kHeadDim;
   static constexpr int kPipelineBytes = kStages * 2 * kTileElems * 2;
   // The warps' partial outputs, merged at the end, reuse the pipeline's buffers. Rows are padded
   // by 4 floats to spread the 8 rows a store instruction writes over different banks.
@@ -111,15 +103,8 @@ struct DecodeTraits {
   // the copy group issued then (tile T + kStages - 1's, with the ids of tile T + 2 kStages - 1)
   // takes the slot of tile T - 1, whose ids were read a __syncthreads before: kStages slots.
   using Ids = PageIdStage<kBlockN, kStages>;
-  // kBulkRows: a stage's mbarrier each, after the ids (8-byte aligned).
-  static constexpr int kBarrierOffset =
-      (kBlockM * kHeadDim * 2 + kPipelineBytes + static_cast<int>(sizeof(Ring)) +
-       static_cast<int>(sizeof(Ids)) + 7) /
-      8 * 8;
-  static constexpr int kSmemBytes = kBulkRows ? kBarrierOffset + 8 * kStages
-                                              : kBlockM * kHeadDim * 2 + kPipelineBytes +
-                                                    static_cast<int>(sizeof(Ring)) +
-                                                    static_cast<int>(sizeof(Ids));
+  static constexpr int kSmemBytes = kBlockM * kHeadDim * 2 + kPipelineBytes +
+                                    static_cast<int>(sizeof(Ring)) + static_cast<int>(sizeof(Ids));
 };
 
 template <int kHeadDim, int kKernel>
@@ -129,14 +114,12 @@ __global__ void __launch_bounds__(kThreads)
   using T = DecodeTraits<kHeadDim, kKernel>;
   constexpr int kStages = T::kStages;
   using Tile = typename T::Tile;
-  using KvTile = typename T::KvTile;
   if constexpr (T::kSplitKeys) TriggerDependentLaunch();
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   bf16* s_kv = s_q + kBlockM * kHeadDim;  // stage s: K at 2 s, V at 2 s + 1 (tiles)
   auto* ring = reinterpret_cast<typename T::Ring*>(s_kv + kStages * 2 * T::kTileElems);
   auto* ids = reinterpret_cast<typename T::Ids*>(ring + 1);
-  const uint32_t stage_bar = SmemAddress(smem + T::kBarrierOffset);  // stage s: + 8 s (kBulkRows)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const ItemHead cta = CurrentItemHead(p.cache.num_kv_heads);
@@ -156,12 +139,6 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t kv_policy = T::kSplitKeys ? EvictFirstPolicy() : 0;
 
   const int num_tiles = (item.kv_end - item.kv_begin + kBlockN - 1) / kBlockN;
-  if constexpr (T::kBulkRows) {
-    if (tid == 0) {
-      for (int s = 0; s < kStages; ++s) BarrierInit(stage_bar + 8 * s, kThreads);
-    }
-    __syncthreads();
-  }
   auto first_key = [&](int t) { return item.kv_begin + t * kBlockN; };
   // Row offsets of tile t from the page table in global memory.
   auto lookup = [&](int t) { return T::Ring::Lookup(rows, first_key(t), item.kv_end, tid); };
@@ -172,18 +149,8 @@ __global__ void __launch_bounds__(kThreads)
   auto load_tile = [&](int t) {
     if (t < num_tiles) {
       bf16* stage = s_kv + (t % kStages) * 2 * T::kTileElems;
-      if constexpr (T::kBulkRows) {
-        // Threads [0, kBlockN) copy the K rows, the others the V rows beside them.
-        const int row = tid % kBlockN, v = tid / kBlockN;
-        const uint32_t bar = stage_bar + 8 * (t % kStages);
-        BarrierArriveExpectTx(bar, kHeadDim * 2);
-        BulkCopy<T::kSplitKeys>(SmemAddress(stage + v * T::kTileElems + row * KvTile::kStride),
-                                k_base + ring->Offsets(t)[row] + (v ? v_offset : 0), kHeadDim * 2,
-                                bar, kv_policy);
-      } else {
-        Tile::template LoadRowPairs<kBlockN, kThreads, T::kSplitKeys>(
-            stage, stage + T::kTileElems, k_base, v_offset, ring->Offsets(t), tid, kv_policy);
-      }
+      Tile::template LoadRowPairs<kBlockN, kThreads, T::kSplitKeys>(
+          stage, stage + T::kTileElems, k_base, v_offset, ring->Offsets(t), tid, kv_policy);
     }
     if constexpr (T::kStagedIds) {
       ids->Fetch(rows, t + kStages, first_key(t + kStages), item.kv_end, tid);
@@ -238,7 +205,6 @@ __global__ void __launch_bounds__(kThreads)
     }
     const bf16* s_k = s_kv + (t % kStages) * 2 * T::kTileElems;
     const bf16* s_v = s_k + T::kTileElems;
-    if constexpr (T::kBulkRows) BarrierWait(stage_bar + 8 * (t % kStages), (t / kStages) & 1);
     const int key0 = warp * 16;  // this warp's keys within the tile
     const int n0 = item.kv_begin + t * kBlockN + key0;
 
@@ -252,7 +218,7 @@ __global__ void __launch_bounds__(kThreads)
       } else {
         Tile::LoadA(a, s_q, 0, ks, lane);
       }
-      KvTile::LoadBT(b, s_k, key0, ks, lane);
+      Tile::LoadBT(b, s_k, key0, ks, lane);
       MmaBf16(s[0], a, b[0], b[1]);
       MmaBf16(s[1], a, b[2], b[3]);
     }
@@ -265,7 +231,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int dp = 0; dp < T::kDTiles / 2; ++dp) {
       uint32_t b[4];
-      KvTile::LoadB(b, s_v, key0, dp * 16, lane);
+      Tile::LoadB(b, s_v, key0, dp * 16, lane);
       MmaBf16(o[2 * dp], p_frag[0], b[0], b[1]);
       MmaBf16(o[2 * dp + 1], p_frag[0], b[2], b[3]);
     }
@@ -355,23 +321,8 @@ cudaError_t ForKernel(int kernel, Args&&... args) {
     case kStagedIdsBit | kSplitKeysBit:
       return F<kHeadDim, kStagedIdsBit | kSplitKeysBit>::Run(args...);
     default:
-      break;
+      return cudaErrorInvalidValue;
   }
-  if constexpr (kHeadDim == 128) {  // kBulkRowsBit: a trial at the benchmarks' head_dim alone
-    switch (kernel) {
-      case kBulkRowsBit:
-        return F<kHeadDim, kBulkRowsBit>::Run(args...);
-      case kBulkRowsBit | kStagedIdsBit:
-        return F<kHeadDim, kBulkRowsBit | kStagedIdsBit>::Run(args...);
-      case kBulkRowsBit | kSplitKeysBit:
-        return F<kHeadDim, kBulkRowsBit | kSplitKeysBit>::Run(args...);
-      case kBulkRowsBit | kStagedIdsBit | kSplitKeysBit:
-        return F<kHeadDim, kBulkRowsBit | kStagedIdsBit | kSplitKeysBit>::Run(args...);
-      default:
-        break;
-    }
-  }
-  return cudaErrorInvalidValue;
 }
 
 template <template <int, int> class F, typename... Args>
@@ -400,12 +351,6 @@ struct TilingOf {
   static cudaError_t Run(KernelTiling* tiling) { return Tiling<kHeadDim, kKernel>(tiling); }
 };
 
-// The variants whose split launches take the split build (kSplitKeysBit) and the wide dependent
-// merge: the adaptive one and its bulk-copy trial.
-bool SplitsAdaptively(int variant) {
-  return variant == kGqaDecodeAdaptive || variant == kGqaDecodeBulkRows;
-}
-
 // The build a plan's variant runs at a page size, on a launch that splits keys or not. Variants 0
 // and 1 stay as bench/RESULTS.md measured them; the others take staged page ids where a tile
 // spans several pages (page size 1: 64 ids a tile, read from DRAM), the page-table reads otherwise
@@ -416,8 +361,7 @@ int KernelOf(int variant, int page_size, bool splits) {
   if (variant == kGqaDecodePageIdsPerTile) return 0;
   if (variant == kGqaDecodeStagedPageIds) return kStagedIdsBit;
   const int ids = page_size < kBlockN ? kStagedIdsBit : 0;
-  const int bulk = variant == kGqaDecodeBulkRows ? kBulkRowsBit : 0;
-  return (SplitsAdaptively(variant) && splits ? ids | kSplitKeysBit : ids) | bulk;
+  return variant == kGqaDecodeAdaptive && splits ? ids | kSplitKeysBit : ids;
 }
 
 }  // namespace
@@ -428,7 +372,7 @@ cudaError_t LaunchGqaDecode(const GqaParams& p, const DevicePlan& plan, cudaStre
 }
 
 MergeKind GqaDecodeMergeKind(int variant) {
-  return SplitsAdaptively(variant) ? MergeKind::kWideDependent : MergeKind::kRows;
+  return variant == kGqaDecodeAdaptive ? MergeKind::kWideDependent : MergeKind::kRows;
 }
 
 cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
@@ -439,11 +383,6 @@ cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {
   if (variant < 0) variant = kGqaDecodeAdaptive;
   if (!IsGqaDecodeVariant(variant) && variant != kGqaPrefillOnDecodeKernel) {
     return cudaErrorInvalidValue;
-  }
-  if (variant == kGqaDecodeBulkRows) {  // cp.async.bulk and mbarrier waits: sm_90 on
-    int major = 0;
-    ATTN_CUDA_RETURN_IF_ERROR(CurrentComputeMajor(&major));
-    if (major < 9 || head_dim != 128) return cudaErrorNotSupported;
   }
   return Dispatch<TilingOf>(head_dim, KernelOf(variant, 1, false), tiling);
 }

@@ -32,31 +32,6 @@ __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   return policy;
 }
 
-// cp.async.bulk (sm_90+): `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
-// `src` to the shared-window address `dst`, by the copy engine, completing them on the mbarrier
-// `bar` (whose phase must expect them: BarrierArriveExpectTx); kHinted: under the L2 `policy`.
-template <bool kHinted = false>
-__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, uint32_t bytes,
-                                         uint32_t bar, uint64_t policy = 0) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  if constexpr (kHinted) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1], %2, [%3], %4;\n" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar), "l"(policy)
-        : "memory");
-  } else {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-        "[%3];\n" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar)
-        : "memory");
-  }
-#else
-  __trap();
-#endif
-}
-
 // The plain CopyAsync16 under an L2 cache `policy`.
 __device__ __forceinline__ void CopyAsync16Hinted(void* dst, const void* src, uint64_t policy) {
   asm volatile(

@@ -16,7 +16,6 @@ template <int kCols>
 struct SwizzledTile {
   static_assert(kCols % 64 == 0, "rows must be whole groups of 8 chunks");
   static constexpr int kChunks = kCols / 8;
-  static constexpr int kStride = kCols;  // elements from a row to the next
 
   // Element offset of (row, chunk).
   __device__ __forceinline__ static int Offset(int row, int chunk) {
@@ -127,19 +126,6 @@ struct PaddedTile {
   __device__ __forceinline__ static void LoadA(uint32_t (&a)[4], const bf16* tile, int r0, int ks,
                                                int lane) {
     LdMatrixX4(a, tile + Offset(r0 + (lane & 15), 16 * ks + 8 * (lane >> 4)));
-  }
-
-  // SwizzledTile's LoadBT and LoadB on the padded rows (whole rows copied as they are in memory,
-  // as cp.async.bulk does).
-  __device__ __forceinline__ static void LoadBT(uint32_t (&b)[4], const bf16* tile, int n0, int ks,
-                                                int lane) {
-    LdMatrixX4(
-        b, tile + Offset(n0 + (lane & 7) + ((lane >> 4) << 3), 16 * ks + 8 * ((lane >> 3) & 1)));
-  }
-  __device__ __forceinline__ static void LoadB(uint32_t (&b)[4], const bf16* tile, int k0, int n0,
-                                               int lane) {
-    LdMatrixX4Trans(
-        b, tile + Offset(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + 8 * (lane >> 4)));
   }
 };
 

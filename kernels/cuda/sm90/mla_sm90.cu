@@ -142,8 +142,6 @@ struct Traits {
   static constexpr int kPSteps = kBlockN / 16;       // k-steps of P V
   static constexpr int kBlockBytes = kBlockN * 128;  // one column block of a key tile
   static constexpr int kTileBytes = kColumnBlocks * kBlockBytes;
-  static constexpr int kRingBlocks = 0;  // whole-tile stages (NarrowTraits' ring of blocks)
-  static constexpr int kKvBytes = kStages * kTileBytes;
   static constexpr int kKvPasses = kBlockN / kRowsPerPass;
   // Q's, one per column block of each stage (S starts on a tile's first block while the others
   // are in flight), and each stage's release by halves: V's left columns with the rope block, and
@@ -155,8 +153,8 @@ struct Traits {
       1 + kStages * kColumnBlocks + kStages * kReleases + kWorkBarriers;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period; kPersistent's
   // two item slots after the barriers.
-  static constexpr int kSmemBytes =
-      1024 + kQBytes + kKvBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers + (kPersistent ? 8 : 0);
+  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes + kPBytes +
+                                    kRowFloats * 4 + 8 * kBarriers + (kPersistent ? 8 : 0);
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -169,7 +167,7 @@ struct Smem {
 
   __device__ uint32_t Q() const { return base; }
   __device__ uint32_t Kv(int stage) const { return base + T::kQBytes + stage * T::kTileBytes; }
-  __device__ uint32_t P() const { return base + T::kQBytes + T::kKvBytes; }
+  __device__ uint32_t P() const { return base + T::kQBytes + T::kStages * T::kTileBytes; }
   __device__ unsigned char* PPtr() const { return ptr + (P() - base); }
   __device__ float* Rows() const { return reinterpret_cast<float*>(PPtr() + T::kPBytes); }
   __device__ float* Alpha() const { return Rows(); }
@@ -183,12 +181,6 @@ struct Smem {
   __device__ uint32_t KvEmpty(int stage, int half = 0) const {
     return Barrier(1 + T::kStages * kColumnBlocks + stage * T::kReleases + half);
   }
-  // T::kRingBlocks > 0: the ring's column block g (RingPlace) and its two barriers instead.
-  __device__ uint32_t RingBlock(int slot) const {
-    return base + T::kQBytes + slot * T::kBlockBytes;
-  }
-  __device__ uint32_t RingFull(int slot) const { return Barrier(1 + slot); }
-  __device__ uint32_t RingEmpty(int slot) const { return Barrier(1 + T::kRingBlocks + slot); }
   // T::kPersistent: the score warpgroup is done reading Q (one arrival per warp), so the next
   // item's may come; item k >= 1 of the CTA is handed over in slot (k - 1) % 2 (WorkSlot), full
   // once thread 0 wrote it and empty once all 384 threads read it.
@@ -213,18 +205,6 @@ struct Work {
   // Key tile t's place in the CTA's sequence of tiles (its stage and phase in the ring).
   __device__ __forceinline__ int Tile(int t) const { return tiles_before + t; }
 };
-
-// T::kRingBlocks > 0: where the CTA's column block g (key tile g / 9's block g % 9) lies in the
-// ring of blocks, and the parity of its barriers' phase there.
-struct RingPlace {
-  int slot;
-  uint32_t parity;
-};
-template <typename T>
-__device__ __forceinline__ RingPlace PlaceInRing(int tile, int cb) {
-  const int g = tile * kColumnBlocks + cb;
-  return {g % T::kRingBlocks, static_cast<uint32_t>(g / T::kRingBlocks) & 1u};
-}
 
 // Warpgroup 0: all copies into shared memory.
 template <typename T>
@@ -354,21 +334,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     using Zero = std::integral_constant<int, 0>;
     using Half = std::integral_constant<int, kHalfCols / 64>;
     using All = std::integral_constant<int, kColumnBlocks>;
-    if constexpr (T::kRingBlocks > 0) {
-      static_assert(!T::kTma && !T::kLateRight, "the ring's blocks come by cp.async, in order");
-      // Each block as soon as its slot is free: the consumer frees them a few at a time.
-#pragma unroll
-      for (int cb = 0; cb < kColumnBlocks; ++cb) {
-        const RingPlace r = PlaceInRing<T>(w.Tile(t), cb);
-        BarrierWait(s.RingEmpty(r.slot), r.parity ^ 1u);
-        const uint32_t block = s.RingBlock(r.slot) + lane_offset;
-#pragma unroll
-        for (int i = 0; i < T::kKvPasses; ++i) {
-          CopyAsync16(block + i * kRowsPerPass * 128, rows.base + offset[i] + chunk * 8 + cb * 64);
-        }
-        BarrierArriveOnCopies(s.RingFull(r.slot));
-      }
-    } else if constexpr (T::kLateRight) {
+    if constexpr (T::kLateRight) {
       using Rope = std::integral_constant<int, kColumnBlocks - 1>;
       BarrierWait(s.KvEmpty(stage, 0), empty_parity);
       copy_blocks(Zero(), Half());
@@ -676,7 +642,9 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
 // reads an SM, the same L2 traffic per byte); the whole is slower partly for the 4 SMs its 128
 // CTAs leave idle. Tried and dropped: TMA tiles (1.5 us slower; 2.5-3.5% slower with the early
 // release below), 56-key tiles in three stages to keep more bytes in flight (1.4 us faster at
-// equal chunking: the ring's depth is not what holds the kernel),
+// equal chunking: the ring's depth is not what holds the kernel), the keys in a ring of 25 8 KiB
+// column blocks with P V's blocks freed a pair at a time (16 blocks in flight while a tile is
+// consumed; trial 47: 2.6-3.1% slower on two H100s), S in four chains of k-steps (trial 49: level),
 // launching the merge as a programmatic dependent (no change), the merge done by each
 // sequence's last chunk to finish instead of a merge kernel (counters in the workspace; the
 // kernel ran 94 us against 82 + 5 for the two: the merge lands in the one wave's tail).
@@ -692,23 +660,13 @@ constexpr int kMaxClusterSplits = 8;  // the largest portable cluster
 
 // A split decode's chunks of a row tile run as a cluster and merge there (kClusterMerge) where the
 // plan groups them (PlanConfig::cluster_splits); other launches run plain CTAs of the same kernel.
-// kBlockRing: the key tiles' column blocks go through a ring of as many 8 KiB blocks as shared
-// memory holds (25 at 16 heads, 23 at 32, against two stages' 18), each refilled as soon as the
-// consumer is done with it: P V's column blocks are waited for and freed a pair at a time. Where
-// whole stages had one tile in flight while the consumer held the other, the ring has 16 of the
-// 25 blocks in flight (at 16 heads; the producer waited for a free stage most of its time).
-// kSChains: S's 36 k-steps accumulate round-robin into that many accumulators, independent chains
-// of wgmmas added once the GEMM is done (as the 64-row kernels' two): an m64n16k16 is a fraction of
-// the latency of the one before it on the same accumulator.
-template <int kN_, bool kBlockRing = false, int kSChains_ = 1>
+template <int kN_>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
   static constexpr bool kClusterMerge = true;
   static constexpr bool kPersistent = false;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
   static_assert(kN == 16 || kN == 32, "the widths of Wgmma<16> and Wgmma<32>");
-  static constexpr int kSChains = kSChains_;
-  static_assert(kKSteps % kSChains == 0);
   static constexpr int kBlockM = kN;
   static constexpr int kThreads = 256;  // the producer and one consumer warpgroup
   static constexpr int kConsumerWarps = 4;
@@ -732,22 +690,15 @@ struct NarrowTraits {
   static constexpr int kPBytes = kN * kBlockN * 2;  // P^T: kN rows of 64 keys, one column block
   // Per head: each warp's tile maximum for two tiles, each warp's final sum.
   static constexpr int kRowFloats = (2 + 1) * kConsumerWarps * kN;
-  // Shared memory besides the keys: the alignment slack, Q, P^T, the row floats, Q's barrier.
-  static constexpr int kFixedBytes = 1024 + kQBytes + kPBytes + kRowFloats * 4 + 8;
-  // Each of the ring's blocks with its two barriers.
-  static constexpr int kRingBlocks =
-      kBlockRing ? (227 * 1024 - kFixedBytes) / (kBlockBytes + 16) : 0;
-  static_assert(!kBlockRing || kRingBlocks >= 2 * kColumnBlocks);
-  static constexpr int kKvBytes = kBlockRing ? kRingBlocks * kBlockBytes : kStages * kTileBytes;
-  static constexpr int kBarriers =
-      kBlockRing ? 1 + 2 * kRingBlocks : 1 + kStages * kColumnBlocks + kStages * kReleases;
-  static constexpr int kSmemBytes = kFixedBytes - 8 + kKvBytes + 8 * kBarriers;
+  static constexpr int kBarriers = 1 + kStages * kColumnBlocks + kStages * kReleases;
+  static constexpr int kSmemBytes =
+      1024 + kQBytes + kStages * kTileBytes + kPBytes + kRowFloats * 4 + 8 * kBarriers;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   // The epilogue stages the finished rows as floats over the key stages, rows 4 floats apart in
   // banks (conflict-free for the fragments' stores, 16-byte aligned for the rows' loads).
   static constexpr int kStagingStride = kMlaCkvDim + 4;
   // After them, kClusterMerge's: each row's chunk lse.
-  static_assert((kN * kStagingStride + kN) * 4 <= kKvBytes);
+  static_assert((kN * kStagingStride + kN) * 4 <= kStages * kTileBytes);
 };
 
 // The narrow epilogue's staging (NarrowTraits::kStagingStride) over the key stages, and after it
@@ -793,7 +744,6 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
 
   float o[T::kOBlocks][kNT][4] = {};
   float acc[kNT][4];
-  float acc_more[T::kSChains > 1 ? T::kSChains - 1 : 1][kNT][4];  // S's chains 1, 2, ...
   float m[kNT][2], d[kNT][2];  // per head: running max of s' and this lane's share of the sum
 #pragma unroll
   for (int j = 0; j < kNT; ++j) {
@@ -807,98 +757,31 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
   const uint64_t q_desc0 = KMajorDescriptor(s.Q());
   auto issue_s = [&](int t) {
     const uint64_t q_desc = Opaque(q_desc0);  // as in ConsumeScores: not 36 live descriptors
-    const uint64_t k_desc =
-        KMajorDescriptor(T::kRingBlocks > 0 ? s.RingBlock(0) : s.Kv(t % T::kStages));
+    const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
+      if (ks % 4 == 0) WaitFull(s, t, ks / 4);
       const uint32_t in_block = (ks % 4) * 32;
-      uint64_t a;
-      if constexpr (T::kRingBlocks > 0) {
-        const RingPlace r = PlaceInRing<T>(t, ks / 4);
-        if (ks % 4 == 0) {
-          BarrierWait(s.RingFull(r.slot), r.parity);
-          FenceProxyAsync();  // as WaitFull
-        }
-        a = k_desc + ((r.slot * T::kBlockBytes + in_block) >> 4);
-      } else {
-        if (ks % 4 == 0) WaitFull(s, t, ks / 4);
-        a = k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4);
-      }
+      const uint64_t a = k_desc + (((ks / 4) * T::kBlockBytes + in_block) >> 4);
       const uint64_t b = q_desc + (((ks / 4) * T::kQBlockBytes + in_block) >> 4);
-      const uint32_t accumulate = ks >= T::kSChains ? 1u : 0u;
-      if (ks % T::kSChains == 0) {
-        Wgmma<kN>::SS(acc, a, b, accumulate);
-      } else {
-        Wgmma<kN>::SS(acc_more[ks % T::kSChains - 1], a, b, accumulate);
-      }
+      Wgmma<kN>::SS(acc, a, b, ks > 0 ? 1u : 0u);
     }
   };
-  // Once S's GEMM is done: its chains are the compiler's again, added into acc.
-  auto finish_s = [&] {
-    PinRegisters(acc);
-#pragma unroll
-    for (int c = 0; c + 1 < T::kSChains; ++c) {
-      PinRegisters(acc_more[c]);
-#pragma unroll
-      for (int j = 0; j < kNT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] += acc_more[c][j][e];
-      }
-    }
-  };
-  // Committed as one group, or (kRingBlocks) as a group for each pair of V's column blocks.
   auto issue_pv = [&](int t) {
-    if constexpr (T::kRingBlocks > 0) {
+    const uint32_t v = s.Kv(t % T::kStages);
+#pragma unroll
+    for (int ks = 0; ks < T::kPSteps; ++ks) {
+      const uint64_t b = KMajorDescriptor(s.P() + ks * 32);
 #pragma unroll
       for (int mb = 0; mb < T::kOBlocks; ++mb) {
-        const uint32_t v = s.RingBlock(PlaceInRing<T>(t, mb).slot);
-#pragma unroll
-        for (int ks = 0; ks < T::kPSteps; ++ks) {
-          Wgmma<kN>::SSTransA(o[mb], MnMajorDescriptor(v + ks * 2048, T::kBlockBytes),
-                              KMajorDescriptor(s.P() + ks * 32));
-        }
-        if (mb % 2 == 1) WgmmaCommit();
+        Wgmma<kN>::SSTransA(
+            o[mb], MnMajorDescriptor(v + mb * T::kBlockBytes + ks * 2048, T::kBlockBytes), b);
       }
-    } else {
-      const uint32_t v = s.Kv(t % T::kStages);
-#pragma unroll
-      for (int ks = 0; ks < T::kPSteps; ++ks) {
-        const uint64_t b = KMajorDescriptor(s.P() + ks * 32);
-#pragma unroll
-        for (int mb = 0; mb < T::kOBlocks; ++mb) {
-          Wgmma<kN>::SSTransA(
-              o[mb], MnMajorDescriptor(v + mb * T::kBlockBytes + ks * 2048, T::kBlockBytes), b);
-        }
-      }
-      WgmmaCommit();
     }
   };
   auto pin_o = [&] {
 #pragma unroll
     for (int mb = 0; mb < T::kOBlocks; ++mb) PinRegisters(o[mb]);
-  };
-  // P V of tile t waited for, and the tile's keys released: whole, or (kRingBlocks) each pair of
-  // column blocks as its group completes, the rope block (read only by S) with the last.
-  auto finish_pv = [&](int t) {
-    if constexpr (T::kRingBlocks > 0) {
-      static_assert(T::kOBlocks == 8, "four groups of P V");
-      auto release = [&](int cb) {
-        if (lane == 0) BarrierArrive(s.RingEmpty(PlaceInRing<T>(t, cb).slot));
-      };
-      WgmmaWait<3>();
-      release(0), release(1);
-      WgmmaWait<2>();
-      release(2), release(3);
-      WgmmaWait<1>();
-      release(4), release(5);
-      WgmmaWait<0>();
-      pin_o();
-      release(6), release(7), release(kColumnBlocks - 1);
-    } else {
-      WgmmaWait<0>();
-      pin_o();
-      Release(s, t, lane);
-    }
   };
   // Tile t's scores become P^T in shared memory; O^T and the sums are rescaled to the new maxima.
   // OnlineSoftmax's rules (TileMax, Rescale, Exponentiate), down columns instead of along rows.
@@ -977,7 +860,7 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
     issue_s(0);
     WgmmaCommit();
     WgmmaWait<0>();
-    finish_s();
+    PinRegisters(acc);
     softmax(0);
     // P V of tile t, waited for, then (kMore) S of tile t + 1 on the other stage. Tile t's stage
     // is released as soon as P V is done, before S of tile t + 1, whose issue waits for each of
@@ -991,13 +874,16 @@ __device__ __forceinline__ void ConsumeNarrow(const MlaParams& p, const Work& w,
       constexpr bool kMore = decltype(more)::value;
       WgmmaFence();
       issue_pv(t);
-      finish_pv(t);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      pin_o();
+      Release(s, t, lane);
       if constexpr (kMore) {
         WgmmaFence();
         issue_s(t + 1);
         WgmmaCommit();
         WgmmaWait<0>();
-        finish_s();
+        PinRegisters(acc);
         softmax(t + 1);
       }
     };
@@ -1235,11 +1121,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   const int tid = threadIdx.x;
   if (tid == 0) {
     BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
-    for (int i = 0; i < T::kRingBlocks; ++i) {
-      BarrierInit(s.RingFull(i), 128);
-      BarrierInit(s.RingEmpty(i), T::kConsumerWarps);
-    }
-    for (int i = 0; i < (T::kRingBlocks > 0 ? 0 : T::kStages); ++i) {
+    for (int i = 0; i < T::kStages; ++i) {
       for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
       // One arrival per consumer warp (kLateRight: of the warpgroup that finishes the half).
       for (int h = 0; h < T::kReleases; ++h) {
@@ -1396,14 +1278,6 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<0, true, true, true>>());
     case kMlaSm90PersistentTouch2Lean:
       return fn(Config<Traits<2, true, true, true>>());
-    case kMlaSm90Narrow16Ring:
-      return fn(Config<NarrowTraits<16, true>>());
-    case kMlaSm90Narrow32Ring:
-      return fn(Config<NarrowTraits<32, true>>());
-    case kMlaSm90Narrow16Chains:
-      return fn(Config<NarrowTraits<16, false, 4>>());
-    case kMlaSm90Narrow32Chains:
-      return fn(Config<NarrowTraits<32, false, 4>>());
     default:
       return cudaErrorInvalidValue;
   }
