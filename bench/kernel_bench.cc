@@ -5,7 +5,7 @@
 // two JSON files into bench/RESULTS.md's table.
 //
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
-//                [--mla_variants 0,18] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
+//                [--mla_variants 0,41] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
 //                [--split_waves W] [--sequential_pages] [--stamps DIR]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
@@ -300,7 +300,7 @@ int Main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
-                   "[--prefill_variants 0,26] [--mla_variants 0,18] [--decode_variants 0,1] "
+                   "[--prefill_variants 0,26] [--mla_variants 0,41] [--decode_variants 0,1] "
                    "[--min_chunk KEYS] [--waves W] [--split_waves W] [--sequential_pages] "
                    "[--stamps DIR]\n");
       return 2;

@@ -118,14 +118,9 @@ inline constexpr bool IsGqaDecodeVariant(int v) {
 // decodes on TMA tiles where HBM is fast), kMlaSm90LateRightTmaTouch2Lazy (other wide decodes),
 // kMlaSm90Narrow16 or kMlaSm90Narrow32 (decodes of few heads) where they run
 // (kernels/cuda/sm90/mla_sm90.cu; api.cc's DefaultSm90Mla says why). The numbers are those the
-// variants were measured under; the schedules they beat on the H200 and H100 (10-14, 16, 17, 22,
-// 23, 28-33) are gone, and bench/RESULTS.md records each.
+// variants were measured under; the schedules they beat on the H200 and H100 (10-14, 16-18, 22,
+// 23, 28-33, 38) are gone, and bench/RESULTS.md records each.
 inline constexpr int kMlaPortable = 0;
-// 64-row tiles: S in two chains of k-steps, whole 64-key tiles by TMA where the page size is a
-// multiple of 64 (elsewhere cp.async), the second consumer's P V deferred until the first's is
-// done (beside the end of the next S and under the softmax after it), each stage released by
-// halves.
-inline constexpr int kMlaSm90LateRightTma = 18;
 // Keys per tile of the 64-row kernels: their tiles come by TMA where the page size is a multiple.
 inline constexpr int kMlaSm90KeyTile = 64;
 // Transposed for few heads: keys and output columns as wgmma's M, 16 or 32 heads (packed rows) as
@@ -135,18 +130,18 @@ inline constexpr int kMlaSm90KeyTile = 64;
 inline constexpr int kMlaSm90Narrow16 = 39;
 inline constexpr int kMlaSm90Narrow32 = 40;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
-// 18 with the pages of each key tile touched two tiles before its copies are issued (their
-// address translation done ahead): the default for prefills whose tiles come by cp.async and for
-// decodes of more than 32 heads on devices with little HBM per SM (the page-1 seed -2% on the
-// H100 and the H200, 128 heads -7% on the H100 but +1.7% on the H200; the page-64 prefill, on TMA
-// tiles, +3%). It replaced 28, which brought the whole tile into L2 and
-// was no faster.
-inline constexpr int kMlaSm90LateRightTmaTouch2 = 38;
-// 18 and 38 with a lazy rescale (kLazyRescale in kernels/cuda/sm90/mla_sm90.cu, as the GQA
-// prefill's 30): both consumer warpgroups skip their 128 multiplies of O a lane where no row's
-// maximum moved. The defaults in their place: on the H100, the 128-head decode -10.5% (18) and
-// -9.4% (38), the page-64 prefill -6% and -5%, the page-1 seed -2% and -3% (bench/RESULTS.md,
-// 2026-12-06).
+// 64-row tiles (41): S in two chains of k-steps, whole 64-key tiles by TMA where the page size is
+// a multiple of 64 (elsewhere cp.async), the second consumer's P V deferred until the first's is
+// done (beside the end of the next S and under the softmax after it), each stage released by
+// halves, and a lazy rescale (as the GQA prefill's 30): both consumer warpgroups skip their 128
+// multiplies of O a lane where no row's maximum moved (against the same kernels without it,
+// variants 18 and 38, since removed: on the H100 the 128-head decode -10%, the page-64 prefill
+// -6%, the page-1 seed -2%; bench/RESULTS.md, 2026-12-06).
+// 42: 41 with the pages of each key tile touched two tiles before its copies are issued (their
+// address translation done ahead): the default for decodes of more than 32 heads on devices with
+// little HBM per SM (the page-1 seed -2% on the H100 and the H200, 128 heads -7% on the H100 but
+// +1.7% on the H200; the page-64 prefill, on TMA tiles, +3%). It replaced 28, which brought the
+// whole tile into L2 and was no faster.
 inline constexpr int kMlaSm90LateRightTmaLazy = 41;
 inline constexpr int kMlaSm90LateRightTmaTouch2Lazy = 42;
 // 41 and 42 with the score warpgroup's softmax in UpdatePositiveScale's straight-line pass over
@@ -161,8 +156,7 @@ inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 inline constexpr int kMlaSm90PersistentLean = 45;
 inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
 inline constexpr bool IsMlaSm90Variant(int v) {
-  return v == kMlaSm90LateRightTma || v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 ||
-         v == kMlaSm90LateRightTmaTouch2 || v == kMlaSm90LateRightTmaLazy ||
+  return v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 || v == kMlaSm90LateRightTmaLazy ||
          v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
          v == kMlaSm90LateRightTmaTouch2LazyLean || v == kMlaSm90PersistentLean ||
          v == kMlaSm90PersistentTouch2Lean;

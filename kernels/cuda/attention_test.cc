@@ -177,12 +177,11 @@ std::vector<int> DecodeVariants(int head_dim) {
 }
 
 // The MLA kernels every run checks on a geometry of num_heads: the portable one and the sm_90a
-// ones where they run and take that many heads, or those ATTN_TEST_MLA_VARIANTS lists ("0,18": to
+// ones where they run and take that many heads, or those ATTN_TEST_MLA_VARIANTS lists ("0,41": to
 // bisect a failing variant on the GPU). A listed number that names no variant fails the test, as
 // in CheckedPrefillVariants.
 std::vector<int> MlaVariants(const MlaGeometry& g) {
   std::vector<int> candidates = {cuda::kMlaPortable,
-                                 cuda::kMlaSm90LateRightTma,
                                  cuda::kMlaSm90Narrow16,
                                  cuda::kMlaSm90Narrow32,
                                  cuda::kMlaSm90LateRightTmaLazy,

@@ -38,18 +38,19 @@
 // (level with none), and on the narrow kernel two or three ahead (+40-50%); the whole tile t + 2
 // brought into L2 (variant 28: as fast as the touch below on the 128-head decode, 8% slower on
 // the seed).
-// Page touch (kTouchTiles, variant 38; with the lazy rescale 42, the default for decodes of more
-// than 32 heads where HBM per SM is lean, and for prefills on cp.async tiles): while the
+// Page touch (kTouchTiles, variants 42, 44 and 46: the default for decodes of more than 32 heads
+// where HBM per SM is lean, and for prefills on cp.async tiles): while the
 // producer waits for the stage of tile t it touches one line of each page run of tile t + 2
 // (prefetch.global.L2), so that the tile's address translation, not its bytes, is done before
 // its copies are issued: 128 heads 316 -> 295 us on the H100, the page-1 seed -2%; the 16-head
 // narrow kernel gained nothing from it, and the page-64 prefill, whose items of one sequence
 // read the same pages together, loses 3% to the producer's extra page-table reads.
-// Lazy rescale (kLazyRescale, variants 41 and 42, the 64-row defaults): a row's maximum moves only
-// where a tile's passes it by more than 8 (log2, OnlineSoftmax::RescaleLazy), so its factor is
-// almost always exactly 1 after the first tiles, and each consumer warp skips its 128 multiplies
-// of O a lane on a vote: the 128-head decode -10% and the prefill -6% on the H100 (the consumers'
-// instructions are the path; bench/RESULTS.md, 2026-12-06).
+// Lazy rescale (every 64-row kernel): a row's maximum moves only where a tile's passes it by more
+// than 8 (log2, OnlineSoftmax::RescaleLazy), so its factor is almost always exactly 1 after the
+// first tiles, and each consumer warp skips its 128 multiplies of O a lane on a vote: the
+// 128-head decode -10% and the prefill -6% on the H100 against the same kernels without it
+// (variants 18 and 38, since removed; the consumers' instructions are the path;
+// bench/RESULTS.md, 2026-12-06).
 // Narrow variant (NarrowTraits, ConsumeNarrow below): for decodes of few heads, a transposed
 // kernel of two warpgroups whose GEMMs take the heads as their N side.
 // Rows past kv_end in a tile copy the range's last key again (real, finite data the mask hides;
@@ -89,17 +90,19 @@ constexpr int kPEmptyBarrier = 2;  // warpgroup 2 is done reading them
 constexpr int kFinalBarrier = 3;   // the rows' final (max, sum) are in shared memory
 constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is done
 
-// The 64-row kernel (ConsumeScores/ConsumeSecond), with kTouchTiles as Produce takes it and
-// kLazyRescale: a row's maximum moves only by more than 8 (log2; OnlineSoftmax::RescaleLazy), and
+// The 64-row kernels' softmax moves a row's maximum lazily, and their consumers skip O's rescale
+// where a warp's factors are all 1 (file comment).
+constexpr bool kLazyRescale = true;
+
+// The 64-row kernel (ConsumeScores/ConsumeSecond), with kTouchTiles as Produce takes it and the
+// lazy rescale: a row's maximum moves only by more than 8 (log2; OnlineSoftmax::RescaleLazy), and
 // each consumer warp skips its 128 multiplies of O a lane where all of its rows' factors are 1.
 // kLeanSoftmax: the score warpgroup's softmax takes OnlineSoftmax::UpdatePositiveScale's
 // straight-line pass over both rows where the scale is positive, as the GQA prefill's lean tiles
 // do: the prefills' default (api.cc's DefaultSm90Mla).
 // kPersistent: one CTA an SM runs items until none is left (the kernel's comment below).
-template <int kTouchTiles_ = 0, bool kLazyRescale_ = false, bool kLeanSoftmax_ = false,
-          bool kPersistent_ = false>
+template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false>
 struct Traits {
-  static constexpr bool kLazyRescale = kLazyRescale_;
   static constexpr bool kLeanSoftmax = kLeanSoftmax_;
   static constexpr bool kPersistent = kPersistent_;
   static constexpr bool kNarrow = false;
@@ -488,9 +491,9 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   auto softmax_tile = [&](int t) {
     rows.Mask(acc, w.item.kv_begin + t * kBlockN, lane);
     if (T::kLeanSoftmax && scale_log2 > 0.f) {
-      softmax.template UpdatePositiveScale<T::kLazyRescale>(acc, scale_log2, alpha);
+      softmax.template UpdatePositiveScale<kLazyRescale>(acc, scale_log2, alpha);
     } else {
-      softmax.template Update<T::kLazyRescale>(acc, scale_log2, alpha);
+      softmax.template Update<kLazyRescale>(acc, scale_log2, alpha);
     }
   };
   // P (bf16, swizzled K-major like Q) and the rows' factors for warpgroup 2.
@@ -527,7 +530,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     // count.
     auto step = [&](int t, auto more) {
       constexpr bool kMore = decltype(more)::value;
-      RescaleAccumulator<T::kLazyRescale>(o, alpha);
+      RescaleAccumulator<kLazyRescale>(o, alpha);
       NamedBarrierSync(kPEmptyBarrier, 256);
       publish_p();
       NamedBarrierArrive(kPFullBarrier, 256);
@@ -593,7 +596,7 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
       for (int cb = kHalfCols / 64; cb < kMlaCkvDim / 64; ++cb) WaitFull(s, w.Tile(t), cb);
       NamedBarrierSync(kPFullBarrier, 256);
       const float alpha[2] = {s.Alpha()[row_g], s.Alpha()[row_g + 8]};
-      RescaleAccumulator<T::kLazyRescale>(o, alpha);
+      RescaleAccumulator<kLazyRescale>(o, alpha);
       // The score warpgroup signals its P V of tile t wherever S of tile t + 1 follows it.
       if (t + 1 < w.num_tiles) NamedBarrierSync(kLeftDoneBarrier, 256);
       WgmmaFence();
@@ -1258,26 +1261,22 @@ struct Config {
 template <typename Fn>
 cudaError_t WithConfig(int variant, Fn&& fn) {
   switch (variant) {
-    case kMlaSm90LateRightTma:
-      return fn(Config<Traits<>>());
     case kMlaSm90Narrow16:
       return fn(Config<NarrowTraits<16>>());
     case kMlaSm90Narrow32:
       return fn(Config<NarrowTraits<32>>());
-    case kMlaSm90LateRightTmaTouch2:
-      return fn(Config<Traits<2>>());
     case kMlaSm90LateRightTmaLazy:
-      return fn(Config<Traits<0, true>>());
+      return fn(Config<Traits<>>());
     case kMlaSm90LateRightTmaTouch2Lazy:
-      return fn(Config<Traits<2, true>>());
+      return fn(Config<Traits<2>>());
     case kMlaSm90LateRightTmaLazyLean:
-      return fn(Config<Traits<0, true, true>>());
+      return fn(Config<Traits<0, true>>());
     case kMlaSm90LateRightTmaTouch2LazyLean:
-      return fn(Config<Traits<2, true, true>>());
+      return fn(Config<Traits<2, true>>());
     case kMlaSm90PersistentLean:
-      return fn(Config<Traits<0, true, true, true>>());
+      return fn(Config<Traits<0, true, true>>());
     case kMlaSm90PersistentTouch2Lean:
-      return fn(Config<Traits<2, true, true, true>>());
+      return fn(Config<Traits<2, true, true>>());
     default:
       return cudaErrorInvalidValue;
   }
