@@ -145,9 +145,9 @@ inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two tak
 inline constexpr int kMlaSm90LateRightTmaLazy = 41;
 inline constexpr int kMlaSm90LateRightTmaTouch2Lazy = 42;
 // 41 and 42 with the score warpgroup's softmax in UpdatePositiveScale's straight-line pass over
-// both rows (kLeanSoftmax in kernels/cuda/sm90/mla_sm90.cu): the prefills' defaults (the page-64
-// prefill -1.2%, the page-1 seed -1.1% on the H200; the 128-head decode +1.5% with 43, so wide
-// decodes keep 41 and 42; bench/RESULTS.md, 2026-12-06).
+// both rows (kLeanSoftmax in kernels/cuda/sm90/mla_sm90.cu), which the prefills' defaults take (the
+// page-64 prefill -1.2%, the page-1 seed -1.1% on the H200; the 128-head decode +1.5% with 43, so
+// wide decodes keep 41 and 42; bench/RESULTS.md, 2026-12-06).
 inline constexpr int kMlaSm90LateRightTmaLazyLean = 43;
 inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 // 43 and 44 persistent (kPersistent in kernels/cuda/sm90/mla_sm90.cu): one CTA an SM takes items
