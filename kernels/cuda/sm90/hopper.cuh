@@ -1,5 +1,5 @@
-// Hopper (sm_90a) building blocks in PTX (the mbarriers are kernels/cuda/common/mbarrier.cuh's):
-// TMA, the generic-to-async proxy fence, register reallocation between warpgroups and the shared
+// Hopper (sm_90a) building blocks in PTX: mbarriers, cp.async that completes on an mbarrier, TMA,
+// the generic-to-async proxy fence, register reallocation between warpgroups and the shared
 // memory matrix descriptors wgmma reads its operands through (kernels/cuda/sm90/wgmma.cuh).
 //
 // Shared memory is addressed by 32-bit shared-window addresses throughout (what the PTX
@@ -11,15 +11,50 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/common/mbarrier.cuh"
-
 namespace attn::cuda::sm90 {
 
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// ---- mbarriers: kernels/cuda/common/mbarrier.cuh.
+// ---- mbarrier (one 8-byte word of shared memory each).
+
+__device__ __forceinline__ void BarrierInit(uint32_t bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
+}
+
+// One arrival of the calling thread.
+__device__ __forceinline__ void BarrierArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// An arrival once every cp.async the calling thread issued before has landed. The barrier's
+// arrival count must include it (.noinc: the pending count is not raised first).
+__device__ __forceinline__ void BarrierArriveOnCopies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits until the phase with the given parity has completed. A fresh barrier is in phase 0, so
+// waiting on parity 1 returns at once (the producer's first pass over a ring of stages).
+__device__ __forceinline__ void BarrierWait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// An arrival of the calling thread that also expects `bytes` more of asynchronous copies (TMA)
+// to complete on the barrier before its phase can.
+__device__ __forceinline__ void BarrierArriveExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
 
 // ---- copies and fences.
 
