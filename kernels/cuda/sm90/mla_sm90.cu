@@ -95,11 +95,9 @@ constexpr int kLeftDoneBarrier = 4;  // the score warpgroup's P V of a tile is d
 constexpr bool kLazyRescale = true;
 
 // The 64-row kernel (ConsumeScores/ConsumeSecond), with kTouchTiles as Produce takes it and the
-// lazy rescale: a row's maximum moves only by more than 8 (log2; OnlineSoftmax::RescaleLazy), and
-// each consumer warp skips its 128 multiplies of O a lane where all of its rows' factors are 1.
-// kLeanSoftmax: the score warpgroup's softmax takes OnlineSoftmax::UpdatePositiveScale's
-// straight-line pass over both rows where the scale is positive, as the GQA prefill's lean tiles
-// do: the prefills' default (api.cc's DefaultSm90Mla).
+// lazy rescale (kLazyRescale above). kLeanSoftmax: the score warpgroup's softmax takes
+// OnlineSoftmax::UpdatePositiveScale's straight-line pass over both rows where the scale is
+// positive, as the GQA prefill's lean tiles do: the prefills' default (api.cc's DefaultSm90Mla).
 // kPersistent: one CTA an SM runs items until none is left (the kernel's comment below).
 template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false>
 struct Traits {
