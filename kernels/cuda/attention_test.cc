@@ -172,7 +172,8 @@ std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidate
 // The GQA decode variants every run checks (the default resolves to kGqaDecodeAdaptive).
 std::vector<int> DecodeVariants(int head_dim) {
   return AcceptedVariants(
-      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive},
+      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive,
+       cuda::kGqaDecodeWideTiles},
       [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, true, t); });
 }
 
@@ -184,6 +185,7 @@ std::vector<int> MlaVariants(const MlaGeometry& g) {
   std::vector<int> candidates = {cuda::kMlaPortable,
                                  cuda::kMlaSm90Narrow16,
                                  cuda::kMlaSm90Narrow32,
+                                 cuda::kMlaSm90Narrow16AddressOrder,
                                  cuda::kMlaSm90LateRightTmaLazy,
                                  cuda::kMlaSm90LateRightTmaTouch2Lazy,
                                  cuda::kMlaSm90LateRightTmaLazyLean,

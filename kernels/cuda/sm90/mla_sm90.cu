@@ -101,6 +101,7 @@ constexpr bool kLazyRescale = true;
 // kPersistent: one CTA an SM runs items until none is left (the kernel's comment below).
 template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false>
 struct Traits {
+  static constexpr bool kAddressOrder = false;  // as NarrowTraits'
   static constexpr bool kLeanSoftmax = kLeanSoftmax_;
   static constexpr bool kPersistent = kPersistent_;
   static constexpr bool kNarrow = false;
@@ -245,6 +246,11 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   auto by_tma = [&](int t) {
     return tma && w.item.kv_begin + t * kBlockN + kBlockN <= w.item.kv_end;
   };
+  // T::kAddressOrder: tile t lies whole in one page (its rows consecutive in memory).
+  auto in_one_page = [&](int t) {
+    return page_size % T::kBlockN == 0 && w.item.kv_begin % T::kBlockN == 0 &&
+           w.item.kv_begin + t * kBlockN + kBlockN <= w.item.kv_end;
+  };
   // A tile's page-table reads, issued a tile ahead and kept as they were read: the rows' offsets
   // are computed from them in the tile's own iteration. Computed at the lookup, they made the
   // producer wait there for the reads (page size 1 reads a page id per row) before it issued the
@@ -335,7 +341,22 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     using Zero = std::integral_constant<int, 0>;
     using Half = std::integral_constant<int, kHalfCols / 64>;
     using All = std::integral_constant<int, kColumnBlocks>;
-    if constexpr (T::kLateRight) {
+    if (T::kAddressOrder && in_one_page(t)) {
+      // The tile's rows are consecutive: chunk i of the tile is 16 bytes at byte 16 i.
+      constexpr int kRowChunks = kMlaTokenDim / 8;
+      constexpr int kPasses = kBlockN * kRowChunks / 128;
+      const bf16* tile_src = rows.base + offset[0] - int64_t{row0} * rows.token_stride;
+      BarrierWait(s.KvEmpty(stage), empty_parity);
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) {
+        const int idx = i * 128 + tid;
+        const int r = idx / kRowChunks, c = idx % kRowChunks;
+        CopyAsync16(s.Kv(stage) + (c / 8) * T::kBlockBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4),
+                    tile_src + idx * 8);
+      }
+#pragma unroll
+      for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierArriveOnCopies(s.KvFull(stage, cb));
+    } else if constexpr (T::kLateRight) {
       using Rope = std::integral_constant<int, kColumnBlocks - 1>;
       BarrierWait(s.KvEmpty(stage, 0), empty_parity);
       copy_blocks(Zero(), Half());
@@ -661,9 +682,14 @@ constexpr int kMaxClusterSplits = 8;  // the largest portable cluster
 
 // A split decode's chunks of a row tile run as a cluster and merge there (kClusterMerge) where the
 // plan groups them (PlanConfig::cluster_splits); other launches run plain CTAs of the same kernel.
-template <int kN_>
+// kAddressOrder_ (trial, variant 51): key tiles that lie whole in one page are copied in address
+// order, 2 KiB of consecutive bytes a pass of the producer's 128 lanes, and complete on all their
+// column blocks' barriers at once (Produce), instead of column block by column block (each pass
+// 16 rows' 128-byte pieces, 1152 bytes apart).
+template <int kN_, bool kAddressOrder_ = false>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
+  static constexpr bool kAddressOrder = kAddressOrder_;
   static constexpr bool kClusterMerge = true;
   static constexpr bool kPersistent = false;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
@@ -1263,6 +1289,8 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<16>>());
     case kMlaSm90Narrow32:
       return fn(Config<NarrowTraits<32>>());
+    case kMlaSm90Narrow16AddressOrder:
+      return fn(Config<NarrowTraits<16, true>>());
     case kMlaSm90LateRightTmaLazy:
       return fn(Config<Traits<>>());
     case kMlaSm90LateRightTmaTouch2Lazy:
