@@ -161,11 +161,15 @@ inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 // and first keys while it finishes the one before: the prefills' defaults.
 inline constexpr int kMlaSm90PersistentLean = 45;
 inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
+// 46 with S of an item's first tile issued under the last P V and the epilogue of the item before
+// (trial; mla_sm90.cu's ConsumeScoresChained).
+inline constexpr int kMlaSm90PersistentTouch2LeanEarlyS = 52;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 || v == kMlaSm90Narrow16AddressOrder ||
          v == kMlaSm90LateRightTmaLazy || v == kMlaSm90LateRightTmaTouch2Lazy ||
          v == kMlaSm90LateRightTmaLazyLean || v == kMlaSm90LateRightTmaTouch2LazyLean ||
-         v == kMlaSm90PersistentLean || v == kMlaSm90PersistentTouch2Lean;
+         v == kMlaSm90PersistentLean || v == kMlaSm90PersistentTouch2Lean ||
+         v == kMlaSm90PersistentTouch2LeanEarlyS;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

@@ -99,11 +99,17 @@ constexpr bool kLazyRescale = true;
 // OnlineSoftmax::UpdatePositiveScale's straight-line pass over both rows where the scale is
 // positive, as the GQA prefill's lean tiles do: the prefills' default (api.cc's DefaultSm90Mla).
 // kPersistent: one CTA an SM runs items until none is left (the kernel's comment below).
-template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false>
+// kEarlyNextS (trial, variant 52; kPersistent only): the score warpgroup issues S of the next
+// item's first tile right after the last P V of an item, so that it runs under that P V and the
+// item's epilogue (ConsumeScoresChained).
+template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false,
+          bool kEarlyNextS_ = false>
 struct Traits {
   static constexpr bool kAddressOrder = false;  // as NarrowTraits'
   static constexpr bool kLeanSoftmax = kLeanSoftmax_;
   static constexpr bool kPersistent = kPersistent_;
+  static constexpr bool kEarlyNextS = kEarlyNextS_;
+  static_assert(!kEarlyNextS || kPersistent);
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
   static constexpr int kBlockM = 64;  // packed rows per CTA
@@ -452,16 +458,17 @@ __device__ __forceinline__ constexpr int BlockOfStep(int i) {
 // offset (>> 4, the start address field's unit). Q's are the same every tile: hoisted out of the
 // caller's loop, all 36 of them would stay live (and spill), so the base is laundered through an
 // opaque move each tile.
+// `wait` false: no block is waited for (kEarlyNextS's discarded S, whose result nobody reads).
 template <typename T>
 __device__ __forceinline__ void IssueScores(float (&acc)[T::kNTiles][4],
                                             float (&acc_odd)[T::kNTiles][4], const Smem<T>& s,
-                                            int t, uint64_t q_desc0) {
+                                            int t, uint64_t q_desc0, bool wait = true) {
   const uint64_t q_desc = Opaque(q_desc0);
   const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
     const int cb = BlockOfStep(ks / 4);
-    if (ks % 4 == 0) WaitFull(s, t, cb);
+    if (ks % 4 == 0 && wait) WaitFull(s, t, cb);
     const uint32_t in_block = (ks % 4) * 32;
     const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
     const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
@@ -597,6 +604,129 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   NamedBarrierSync(kFinalBarrier, 256);
   const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, 0, lane, true);
+}
+
+// Warpgroup 1 of a T::kEarlyNextS kernel: ConsumeScores over all of the CTA's items, from `first`
+// on, each next one read from the queue (next(): its Work, or num_tiles < 0 for none) during the
+// item's last step, whose P V is followed by S of the next item's first tile: that S runs under
+// the P V and the epilogue instead of after them. Every path issues the same GEMMs (ptxas
+// serializes every wgmma of a kernel whose in-flight groups it cannot count): where no next item
+// has keys, the S is issued on whatever Q and the stage hold and discarded.
+template <typename T, typename Next>
+__device__ __forceinline__ void ConsumeScoresChained(const MlaParams& p, const Work& first,
+                                                     const Smem<T>& s, int ctid,
+                                                     const RowSink& sink, Next&& next) {
+  constexpr int kBlockN = T::kBlockN;
+  const int warp = ctid / 32, lane = ctid % 32;
+  const float scale_log2 = p.sm_scale * kLog2e;
+  const uint64_t q_desc0 = KMajorDescriptor(s.Q());
+  float acc[T::kNTiles][4];
+  float acc_odd[T::kNTiles][4];
+  uint32_t pf[T::kPSteps][4];
+  float alpha[2];
+
+  // S of item u's first tile, or (u has no keys, or is none) a discarded one on stage 0.
+  auto issue_first = [&](const Work& u) {
+    // The same in every lane, as the compiler sees (ItemQueue::Read): its waits do not diverge.
+    const bool real = __shfl_sync(0xffffffffu, u.num_tiles > 0 ? 1 : 0, 0) != 0;
+    if (real) BarrierWait(s.QFull(), u.q_loads_before & 1);
+    WgmmaFence();
+    IssueScores<T>(acc, acc_odd, s, real ? u.Tile(0) : 0, q_desc0, real);
+    WgmmaCommit();
+  };
+  Work w = first;
+  issue_first(w);
+  for (;;) {
+    const RowLimits rows(p, w, warp, lane);
+    const int row_g = rows.row_g;
+    float o[kDTiles][4] = {};
+    OnlineSoftmax<T::kNTiles> softmax;
+    auto finish_qk = [&] { FinishScores(acc, acc_odd); };
+    auto softmax_tile = [&](int t) {
+      rows.Mask(acc, w.item.kv_begin + t * kBlockN, lane);
+      if (T::kLeanSoftmax && scale_log2 > 0.f) {
+        softmax.template UpdatePositiveScale<kLazyRescale>(acc, scale_log2, alpha);
+      } else {
+        softmax.template Update<kLazyRescale>(acc, scale_log2, alpha);
+      }
+    };
+    auto publish_p = [&] {
+      StoreFragments(s.PPtr(), pf, row_g, lane);
+      if ((lane & 3) == 0) {
+        s.Alpha()[row_g] = alpha[0];
+        s.Alpha()[row_g + 8] = alpha[1];
+      }
+      FenceProxyAsync();
+    };
+    auto q_read = [&] {
+      if (lane == 0) BarrierArrive(s.QEmpty());
+    };
+    Work following;
+    if (w.num_tiles > 0) {
+      WgmmaWait<0>();
+      if (w.num_tiles == 1) q_read();
+      finish_qk();
+      softmax_tile(0);
+      ScoresToA(acc, pf);
+      // As ConsumeScores' step; the last one (kMore false) issues the next item's first S.
+      auto step = [&](int t, auto more) {
+        constexpr bool kMore = decltype(more)::value;
+        RescaleAccumulator<kLazyRescale>(o, alpha);
+        NamedBarrierSync(kPEmptyBarrier, 256);
+        publish_p();
+        NamedBarrierArrive(kPFullBarrier, 256);
+        WgmmaFence();
+#pragma unroll
+        for (int ks = 0; ks < T::kPSteps; ++ks) {
+          Wgmma<kHalfCols>::RSTransB(o, pf[ks], ValueDescriptor(s, w.Tile(t) % T::kStages, 0, ks));
+        }
+        WgmmaCommit();
+        if constexpr (kMore) {
+          IssueScores<T>(acc, acc_odd, s, w.Tile(t + 1), q_desc0);
+          WgmmaCommit();
+        } else {
+          following = next();
+          issue_first(following);
+        }
+        WgmmaWait<1>();  // P V of tile t is done; the S after it may still run
+        PinRegisters(o);
+        PinRegisters(pf);
+        Release(s, w.Tile(t), lane);
+        if constexpr (kMore) {
+          NamedBarrierArrive(kLeftDoneBarrier, 256);
+          WgmmaWait<0>();
+          if (t + 2 == w.num_tiles) q_read();
+          finish_qk();
+          softmax_tile(t + 1);
+          ScoresToA(acc, pf);
+        }
+      };
+      for (int t = 0; t + 1 < w.num_tiles; ++t) step(t, std::true_type());
+      step(w.num_tiles - 1, std::false_type());
+    } else {
+      WgmmaWait<0>();  // the discarded S issued for this item
+      following = next();
+      issue_first(following);
+      NamedBarrierSync(kFinalBarrier, 256);  // as ConsumeScores' persistent item without keys
+    }
+
+    const float m[2] = {softmax.m[0], softmax.m[1]};
+    const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        s.FinalMax()[row_g + 8 * x] = m[x];
+        s.FinalSum()[row_g + 8 * x] = sums[x];
+      }
+    }
+    NamedBarrierSync(kFinalBarrier, 256);
+    const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
+    StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, 0, lane, true);
+    if (following.num_tiles < 0) break;
+    w = following;
+    __syncwarp();  // converge each warp before the next item's GEMMs (ForEachItem)
+  }
+  WgmmaWait<0>();  // the last, discarded S
 }
 
 // Warpgroup 2: output columns [256, 512) from the score warpgroup's P and factors.
@@ -1174,8 +1304,28 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ConsumeNarrow<T>(p, first, s, tid - 128, sink, clustered);
   } else if (tid < 256) {
     ClaimRegisters<T::kFirstRegisters>();
-    ForEachItem<T, false>(p, items, queue, first,
-                          [&](const Work& w) { ConsumeScores<T>(p, w, s, tid - 128, sink); });
+    if constexpr (T::kEarlyNextS) {
+      int k = 0, tiles = 0, q_loads = 0;
+      Work w = first;
+      ConsumeScoresChained<T>(p, first, s, tid - 128, sink, [&] {
+        // ForEachItem's bookkeeping, one item ahead.
+        tiles += w.num_tiles;
+        q_loads += w.num_tiles > 0 ? 1 : 0;
+        __syncwarp();
+        const int index = queue.Read(++k);
+        if (index < 0) {
+          w.num_tiles = -1;
+          return w;
+        }
+        w = WorkOf<T>(p, items, index);
+        w.tiles_before = tiles;
+        w.q_loads_before = q_loads;
+        return w;
+      });
+    } else {
+      ForEachItem<T, false>(p, items, queue, first,
+                            [&](const Work& w) { ConsumeScores<T>(p, w, s, tid - 128, sink); });
+    }
   } else {
     ClaimRegisters<T::kSecondRegisters>();
     ForEachItem<T, false>(p, items, queue, first,
@@ -1303,6 +1453,8 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<0, true, true>>());
     case kMlaSm90PersistentTouch2Lean:
       return fn(Config<Traits<2, true, true>>());
+    case kMlaSm90PersistentTouch2LeanEarlyS:
+      return fn(Config<Traits<2, true, true, true>>());
     default:
       return cudaErrorInvalidValue;
   }
