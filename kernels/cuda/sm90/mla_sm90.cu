@@ -493,6 +493,28 @@ __device__ __forceinline__ void FinishScores(float (&acc)[kNTiles][4],
   }
 }
 
+// The score warpgroup's end of an item: the rows' final (max, sum) to shared memory for warpgroup
+// 2, then its columns [0, 256) stored.
+template <typename T, int kNTiles>
+__device__ __forceinline__ void StoreScoreRows(const MlaParams& p, const Work& w, const Smem<T>& s,
+                                               const OnlineSoftmax<kNTiles>& softmax,
+                                               const float (&o)[kDTiles][4], const RowSink& sink,
+                                               int warp, int lane) {
+  const int row_g = 16 * warp + lane / 4;
+  const float m[2] = {softmax.m[0], softmax.m[1]};
+  const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
+  if ((lane & 3) == 0) {
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      s.FinalMax()[row_g + 8 * x] = m[x];
+      s.FinalSum()[row_g + 8 * x] = sums[x];
+    }
+  }
+  NamedBarrierSync(kFinalBarrier, 256);
+  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
+  StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, 0, lane, true);
+}
+
 // Warpgroup 1: scores, softmax, P for both consumers, and output columns [0, 256).
 template <typename T>
 __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w, const Smem<T>& s,
@@ -592,18 +614,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   // An item without keys meets warpgroup 2 at no P barrier: in a persistent kernel, wait until it
   // has read the previous item's final rows before writing this one's.
   if (T::kPersistent && w.num_tiles == 0) NamedBarrierSync(kFinalBarrier, 256);
-  const float m[2] = {softmax.m[0], softmax.m[1]};
-  const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
-  if ((lane & 3) == 0) {
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      s.FinalMax()[row_g + 8 * x] = m[x];
-      s.FinalSum()[row_g + 8 * x] = sums[x];
-    }
-  }
-  NamedBarrierSync(kFinalBarrier, 256);
-  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
-  StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, 0, lane, true);
+  StoreScoreRows(p, w, s, softmax, o, sink, warp, lane);
 }
 
 // Warpgroup 1 of a T::kEarlyNextS kernel: ConsumeScores over all of the CTA's items, from `first`
@@ -710,18 +721,7 @@ __device__ __forceinline__ void ConsumeScoresChained(const MlaParams& p, const W
       NamedBarrierSync(kFinalBarrier, 256);  // as ConsumeScores' persistent item without keys
     }
 
-    const float m[2] = {softmax.m[0], softmax.m[1]};
-    const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
-    if ((lane & 3) == 0) {
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        s.FinalMax()[row_g + 8 * x] = m[x];
-        s.FinalSum()[row_g + 8 * x] = sums[x];
-      }
-    }
-    NamedBarrierSync(kFinalBarrier, 256);
-    const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
-    StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, 0, lane, true);
+    StoreScoreRows(p, w, s, softmax, o, sink, warp, lane);
     if (following.num_tiles < 0) break;
     w = following;
     __syncwarp();  // converge each warp before the next item's GEMMs (ForEachItem)
