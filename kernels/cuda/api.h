@@ -108,12 +108,8 @@ inline constexpr int kGqaDecodeStagedPageIds = 1;   // page ids copied ahead int
 // flush, and gain nothing from a clean L2). Numbered 5 as when it was measured beside 2-4, 6 and
 // 7, since removed (gqa_decode.cu has what they showed).
 inline constexpr int kGqaDecodeAdaptive = 5;
-// 5 with 128-key tiles in one CTA of eight warps an SM (head_dim 64 and 128; trial): the same
-// bytes in flight an SM with half the tiles, barriers and ring stores a key (gqa_decode.cu).
-inline constexpr int kGqaDecodeWideTiles = 12;
 inline constexpr bool IsGqaDecodeVariant(int v) {
-  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive ||
-         v == kGqaDecodeWideTiles;
+  return v == kGqaDecodePageIdsPerTile || v == kGqaDecodeStagedPageIds || v == kGqaDecodeAdaptive;
 }
 
 // MLA variants (KernelTiling::variant): the portable kernel and the Hopper ones (sm_90a, compute
@@ -134,8 +130,6 @@ inline constexpr int kMlaSm90KeyTile = 64;
 inline constexpr int kMlaSm90Narrow16 = 39;
 inline constexpr int kMlaSm90Narrow32 = 40;
 inline constexpr int kMlaSm90NarrowMaxHeads = 32;  // the most heads the two take
-// 39 with key tiles that lie in one page copied in address order (trial; mla_sm90.cu).
-inline constexpr int kMlaSm90Narrow16AddressOrder = 51;
 // 64-row tiles (41): S in two chains of k-steps, whole 64-key tiles by TMA where the page size is
 // a multiple of 64 (elsewhere cp.async), the second consumer's P V deferred until the first's is
 // done (beside the end of the next S and under the softmax after it), each stage released by
@@ -161,15 +155,11 @@ inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 // and first keys while it finishes the one before: the prefills' defaults.
 inline constexpr int kMlaSm90PersistentLean = 45;
 inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
-// 46 with S of an item's first tile issued under the last P V and the epilogue of the item before
-// (trial; mla_sm90.cu's ConsumeScoresChained).
-inline constexpr int kMlaSm90PersistentTouch2LeanEarlyS = 52;
 inline constexpr bool IsMlaSm90Variant(int v) {
-  return v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 || v == kMlaSm90Narrow16AddressOrder ||
-         v == kMlaSm90LateRightTmaLazy || v == kMlaSm90LateRightTmaTouch2Lazy ||
-         v == kMlaSm90LateRightTmaLazyLean || v == kMlaSm90LateRightTmaTouch2LazyLean ||
-         v == kMlaSm90PersistentLean || v == kMlaSm90PersistentTouch2Lean ||
-         v == kMlaSm90PersistentTouch2LeanEarlyS;
+  return v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 || v == kMlaSm90LateRightTmaLazy ||
+         v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
+         v == kMlaSm90LateRightTmaTouch2LazyLean || v == kMlaSm90PersistentLean ||
+         v == kMlaSm90PersistentTouch2Lean;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of

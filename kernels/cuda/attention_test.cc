@@ -172,8 +172,7 @@ std::vector<int> PrefillVariants(int head_dim, const std::vector<int>& candidate
 // The GQA decode variants every run checks (the default resolves to kGqaDecodeAdaptive).
 std::vector<int> DecodeVariants(int head_dim) {
   return AcceptedVariants(
-      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive,
-       cuda::kGqaDecodeWideTiles},
+      {cuda::kGqaDecodePageIdsPerTile, cuda::kGqaDecodeStagedPageIds, cuda::kGqaDecodeAdaptive},
       [&](cuda::KernelTiling* t) { return cuda::GetGqaTiling(head_dim, true, t); });
 }
 
@@ -185,14 +184,12 @@ std::vector<int> MlaVariants(const MlaGeometry& g) {
   std::vector<int> candidates = {cuda::kMlaPortable,
                                  cuda::kMlaSm90Narrow16,
                                  cuda::kMlaSm90Narrow32,
-                                 cuda::kMlaSm90Narrow16AddressOrder,
                                  cuda::kMlaSm90LateRightTmaLazy,
                                  cuda::kMlaSm90LateRightTmaTouch2Lazy,
                                  cuda::kMlaSm90LateRightTmaLazyLean,
                                  cuda::kMlaSm90LateRightTmaTouch2LazyLean,
                                  cuda::kMlaSm90PersistentLean,
-                                 cuda::kMlaSm90PersistentTouch2Lean,
-                                 cuda::kMlaSm90PersistentTouch2LeanEarlyS};
+                                 cuda::kMlaSm90PersistentTouch2Lean};
   if (const char* list = std::getenv("ATTN_TEST_MLA_VARIANTS")) {
     candidates = ParseList(list);
     for (int v : candidates) {
@@ -699,10 +696,10 @@ TEST_F(KernelTest, WideLogitRange) {
   RunMla({1, 64, 128}, {"mla_decode_128_heads", Decode({4096, 900}), decode});
 }
 
-// The persistent MLA kernels (45, 46, 52) run each CTA over many items taken from the plan's
-// counter (DevicePlan::schedule): on a batch of several items an SM, empty sequences and rows that
-// see no key among them, they compute what their one-item-a-CTA siblings (43, 44) do, bit for bit,
-// and again on a second launch of the same plan (the counter is left at zero for it).
+// The persistent MLA kernels (45, 46) run each CTA over many items taken from the plan's counter
+// (DevicePlan::schedule): on a batch of several items an SM, empty sequences and rows that see no
+// key among them, they compute what their one-item-a-CTA siblings (43, 44) do, bit for bit, and
+// again on a second launch of the same plan (the counter is left at zero for it).
 TEST_F(KernelTest, PersistentMlaRunsEveryItemOnce) {
   int device = 0, sms = 0;
   ASSERT_CUDA_OK(cudaGetDevice(&device));
@@ -719,8 +716,7 @@ TEST_F(KernelTest, PersistentMlaRunsEveryItemOnce) {
   options.sm_scale = 0.1352337747812271f;
   const std::pair<int, int> pairs[] = {
       {cuda::kMlaSm90PersistentLean, cuda::kMlaSm90LateRightTmaLazyLean},
-      {cuda::kMlaSm90PersistentTouch2Lean, cuda::kMlaSm90LateRightTmaTouch2LazyLean},
-      {cuda::kMlaSm90PersistentTouch2LeanEarlyS, cuda::kMlaSm90LateRightTmaTouch2LazyLean}};
+      {cuda::kMlaSm90PersistentTouch2Lean, cuda::kMlaSm90LateRightTmaTouch2LazyLean}};
   for (int page_size : {64, 1}) {
     MlaHostBatch host = MakeMlaBatch({1, page_size, 16}, seqs, options, rng);
     for (const auto& [persistent, sibling] : pairs) {

@@ -63,33 +63,29 @@ namespace {
 
 constexpr int kBlockM = 16;
 
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlockN = kWarps * 16;
+
 // Stages: enough bytes in flight per SM to cover memory latency, with 2+ CTAs per SM where the
 // tiles allow (head_dim 128: 3 x 32 KiB K/V tiles + Q = 100 KiB per CTA). One CTA an SM with six
 // stages (160 KiB in flight against two CTAs' 128) lost 3-7% on every decode on the H100
-// (bench/RESULTS.md, 2026-12-06): four warps an SM issue and wait less well than eight.
+// (bench/RESULTS.md, 2026-12-06): four warps an SM issue and wait less well than eight. Eight
+// warps with 128-key tiles in that one CTA (trial 12: half the tiles, barriers and ring stores a
+// key) ran level on the unsplit decodes and 5-10% slower on the split b1 x 16384 on the H100
+// (bench/RESULTS.md, 2026-12-07, fourth part): the per-tile work is not what the decode waits on.
 constexpr int StagesFor(int head_dim) { return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2; }
-// kWideBit's: 128-key tiles of twice the bytes, in one CTA an SM.
-constexpr int WideStagesFor(int head_dim) { return head_dim == 64 ? 6 : 3; }
 
 // What a build of the kernel does, as bits of its kKernel (KernelOf picks a launch's build).
 constexpr int kStagedIdsBit = 1;  // page ids through shared memory (PageIdStage)
 // For launches that split keys (file comment): K/V copied under EvictFirstPolicy, and the merge,
 // a programmatic dependent launch, let start as each CTA starts.
 constexpr int kSplitKeysBit = 2;
-// Trial (kGqaDecodeWideTiles): eight warps and 128-key tiles in one CTA an SM, the bytes in
-// flight an SM of two four-warp CTAs with half the tiles, barriers and ring stores a key
-// (cuDNN's decode takes 128-key tiles). head_dim 64 and 128 only.
-constexpr int kWideBit = 4;
 
 // A build's tiles and how it finds its rows.
 template <int kHeadDim, int kKernel>
 struct DecodeTraits {
-  static constexpr bool kWide = (kKernel & kWideBit) != 0;
-  static_assert(!kWide || kHeadDim <= 128, "a wide tile's stages of head_dim 256 do not fit");
-  static constexpr int kWarps = kWide ? 8 : 4;
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = kWarps * 16;
-  static constexpr int kStages = kWide ? WideStagesFor(kHeadDim) : StagesFor(kHeadDim);
+  static constexpr int kStages = StagesFor(kHeadDim);
   static constexpr bool kStagedIds = (kKernel & kStagedIdsBit) != 0;
   static constexpr bool kSplitKeys = (kKernel & kSplitKeysBit) != 0;
 
@@ -115,12 +111,11 @@ struct DecodeTraits {
 };
 
 template <int kHeadDim, int kKernel>
-__global__ void __launch_bounds__(DecodeTraits<kHeadDim, kKernel>::kThreads)
+__global__ void __launch_bounds__(kThreads)
     GqaDecodeKernel(const GqaParams p, const DeviceWorkItem* __restrict__ items,
                     const RowSink sink) {
   using T = DecodeTraits<kHeadDim, kKernel>;
   constexpr int kStages = T::kStages;
-  constexpr int kWarps = T::kWarps, kThreads = T::kThreads, kBlockN = T::kBlockN;
   using Tile = typename T::Tile;
   if constexpr (T::kSplitKeys) TriggerDependentLaunch();
   extern __shared__ __align__(128) unsigned char smem[];
@@ -298,7 +293,7 @@ cudaError_t Launch(const GqaParams& p, const DevicePlan& plan, cudaStream_t stre
   ATTN_CUDA_RETURN_IF_ERROR(AllowSharedMemory(kernel, T::kSmemBytes));
   const RowSink sink = RowSink::ForGqa(p, plan);
   const dim3 grid = ItemHeadGrid(plan.num_items, p.cache.num_kv_heads);
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
+  kernel<<<grid, kThreads, T::kSmemBytes, stream>>>(p, plan.items, sink);
   ATTN_CUDA_RETURN_IF_LAUNCH_FAILED();
   return cudaSuccess;
 }
@@ -312,33 +307,25 @@ cudaError_t Tiling(KernelTiling* tiling) {
   // Batch 64 x 4096 (32/8 heads: 512 CTAs, 1.94 waves) ran 268 us unsplit and 277 us in 2048-key
   // chunks at page size 1 on the H200 (bench/RESULTS.md).
   tiling->no_split_fill = 0.9;
-  return DescribeKernel(GqaDecodeKernel<kHeadDim, kKernel>, T::kThreads, T::kSmemBytes, kBlockM,
-                        T::kBlockN, tiling);
+  return DescribeKernel(GqaDecodeKernel<kHeadDim, kKernel>, kThreads, T::kSmemBytes, kBlockM,
+                        kBlockN, tiling);
 }
 
-// Runs F<kHeadDim, kernel>::Run(args...) for the head_dim and build (kWideBit: head_dim 64 and
-// 128 only).
-template <template <int, int> class F, int kHeadDim, int kWide, typename... Args>
-cudaError_t ForIds(int kernel, Args&&... args) {
-  switch (kernel & ~kWideBit) {
+// Runs F<kHeadDim, kernel>::Run(args...) for the head_dim and build.
+template <template <int, int> class F, int kHeadDim, typename... Args>
+cudaError_t ForKernel(int kernel, Args&&... args) {
+  switch (kernel) {
     case 0:
-      return F<kHeadDim, kWide>::Run(args...);
+      return F<kHeadDim, 0>::Run(args...);
     case kStagedIdsBit:
-      return F<kHeadDim, kWide | kStagedIdsBit>::Run(args...);
+      return F<kHeadDim, kStagedIdsBit>::Run(args...);
     case kSplitKeysBit:
-      return F<kHeadDim, kWide | kSplitKeysBit>::Run(args...);
+      return F<kHeadDim, kSplitKeysBit>::Run(args...);
     case kStagedIdsBit | kSplitKeysBit:
-      return F<kHeadDim, kWide | kStagedIdsBit | kSplitKeysBit>::Run(args...);
+      return F<kHeadDim, kStagedIdsBit | kSplitKeysBit>::Run(args...);
     default:
       return cudaErrorInvalidValue;
   }
-}
-
-template <template <int, int> class F, int kHeadDim, typename... Args>
-cudaError_t ForKernel(int kernel, Args&&... args) {
-  if ((kernel & kWideBit) == 0) return ForIds<F, kHeadDim, 0>(kernel, args...);
-  if constexpr (kHeadDim <= 128) return ForIds<F, kHeadDim, kWideBit>(kernel, args...);
-  return cudaErrorInvalidValue;
 }
 
 template <template <int, int> class F, typename... Args>
@@ -373,15 +360,11 @@ struct TilingOf {
 // (one id a tile, adjacent to the last one: 1-2% faster at page size 64 on the H200,
 // bench/RESULTS.md). Short prefills (kGqaPrefillOnDecodeKernel) keep the plain copies and the row
 // merge on split launches too: not measured with the split build.
-// kGqaDecodeWideTiles is the adaptive build on wide tiles, its page ids chosen as for 64-key
-// tiles (a 128-key tile at page size 64 reads two adjacent ids).
 int KernelOf(int variant, int page_size, bool splits) {
   if (variant == kGqaDecodePageIdsPerTile) return 0;
   if (variant == kGqaDecodeStagedPageIds) return kStagedIdsBit;
-  const int ids = page_size < 64 ? kStagedIdsBit : 0;
-  const int wide = variant == kGqaDecodeWideTiles ? kWideBit : 0;
-  const bool adaptive = variant == kGqaDecodeAdaptive || variant == kGqaDecodeWideTiles;
-  return (adaptive && splits ? ids | kSplitKeysBit : ids) | wide;
+  const int ids = page_size < kBlockN ? kStagedIdsBit : 0;
+  return variant == kGqaDecodeAdaptive && splits ? ids | kSplitKeysBit : ids;
 }
 
 }  // namespace
@@ -392,8 +375,7 @@ cudaError_t LaunchGqaDecode(const GqaParams& p, const DevicePlan& plan, cudaStre
 }
 
 MergeKind GqaDecodeMergeKind(int variant) {
-  return variant == kGqaDecodeAdaptive || variant == kGqaDecodeWideTiles ? MergeKind::kWideDependent
-                                                                         : MergeKind::kRows;
+  return variant == kGqaDecodeAdaptive ? MergeKind::kWideDependent : MergeKind::kRows;
 }
 
 cudaError_t GqaDecodeTiling(int head_dim, KernelTiling* tiling) {

@@ -37,7 +37,11 @@
 // the prefill +16%: the consumers' chain is not the bound); the L2 prefetch three tiles ahead
 // (level with none), and on the narrow kernel two or three ahead (+40-50%); the whole tile t + 2
 // brought into L2 (variant 28: as fast as the touch below on the 128-head decode, 8% slower on
-// the seed).
+// the seed); the persistent kernel's score warpgroup issuing S of the next item's first tile
+// right after an item's last P V (variant 52: the seed +4.5%, the page-64 prefill level; its last
+// stage is released only once the next item's Q and first tile have landed); the narrow kernel's
+// tiles copied in address order, each completing on all nine column blocks at once (variant 51:
+// level).
 // Page touch (kTouchTiles, variants 42, 44 and 46: the default for decodes of more than 32 heads
 // where HBM per SM is lean, and for prefills on cp.async tiles): while the
 // producer waits for the stage of tile t it touches one line of each page run of tile t + 2
@@ -99,17 +103,10 @@ constexpr bool kLazyRescale = true;
 // OnlineSoftmax::UpdatePositiveScale's straight-line pass over both rows where the scale is
 // positive, as the GQA prefill's lean tiles do: the prefills' default (api.cc's DefaultSm90Mla).
 // kPersistent: one CTA an SM runs items until none is left (the kernel's comment below).
-// kEarlyNextS (trial, variant 52; kPersistent only): the score warpgroup issues S of the next
-// item's first tile right after the last P V of an item, so that it runs under that P V and the
-// item's epilogue (ConsumeScoresChained).
-template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false,
-          bool kEarlyNextS_ = false>
+template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false>
 struct Traits {
-  static constexpr bool kAddressOrder = false;  // as NarrowTraits'
   static constexpr bool kLeanSoftmax = kLeanSoftmax_;
   static constexpr bool kPersistent = kPersistent_;
-  static constexpr bool kEarlyNextS = kEarlyNextS_;
-  static_assert(!kEarlyNextS || kPersistent);
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
   static constexpr int kBlockM = 64;  // packed rows per CTA
@@ -252,11 +249,6 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   auto by_tma = [&](int t) {
     return tma && w.item.kv_begin + t * kBlockN + kBlockN <= w.item.kv_end;
   };
-  // T::kAddressOrder: tile t lies whole in one page (its rows consecutive in memory).
-  auto in_one_page = [&](int t) {
-    return page_size % T::kBlockN == 0 && w.item.kv_begin % T::kBlockN == 0 &&
-           w.item.kv_begin + t * kBlockN + kBlockN <= w.item.kv_end;
-  };
   // A tile's page-table reads, issued a tile ahead and kept as they were read: the rows' offsets
   // are computed from them in the tile's own iteration. Computed at the lookup, they made the
   // producer wait there for the reads (page size 1 reads a page id per row) before it issued the
@@ -347,22 +339,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     using Zero = std::integral_constant<int, 0>;
     using Half = std::integral_constant<int, kHalfCols / 64>;
     using All = std::integral_constant<int, kColumnBlocks>;
-    if (T::kAddressOrder && in_one_page(t)) {
-      // The tile's rows are consecutive: chunk i of the tile is 16 bytes at byte 16 i.
-      constexpr int kRowChunks = kMlaTokenDim / 8;
-      constexpr int kPasses = kBlockN * kRowChunks / 128;
-      const bf16* tile_src = rows.base + offset[0] - int64_t{row0} * rows.token_stride;
-      BarrierWait(s.KvEmpty(stage), empty_parity);
-#pragma unroll
-      for (int i = 0; i < kPasses; ++i) {
-        const int idx = i * 128 + tid;
-        const int r = idx / kRowChunks, c = idx % kRowChunks;
-        CopyAsync16(s.Kv(stage) + (c / 8) * T::kBlockBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4),
-                    tile_src + idx * 8);
-      }
-#pragma unroll
-      for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierArriveOnCopies(s.KvFull(stage, cb));
-    } else if constexpr (T::kLateRight) {
+    if constexpr (T::kLateRight) {
       using Rope = std::integral_constant<int, kColumnBlocks - 1>;
       BarrierWait(s.KvEmpty(stage, 0), empty_parity);
       copy_blocks(Zero(), Half());
@@ -458,17 +435,16 @@ __device__ __forceinline__ constexpr int BlockOfStep(int i) {
 // offset (>> 4, the start address field's unit). Q's are the same every tile: hoisted out of the
 // caller's loop, all 36 of them would stay live (and spill), so the base is laundered through an
 // opaque move each tile.
-// `wait` false: no block is waited for (kEarlyNextS's discarded S, whose result nobody reads).
 template <typename T>
 __device__ __forceinline__ void IssueScores(float (&acc)[T::kNTiles][4],
                                             float (&acc_odd)[T::kNTiles][4], const Smem<T>& s,
-                                            int t, uint64_t q_desc0, bool wait = true) {
+                                            int t, uint64_t q_desc0) {
   const uint64_t q_desc = Opaque(q_desc0);
   const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
     const int cb = BlockOfStep(ks / 4);
-    if (ks % 4 == 0 && wait) WaitFull(s, t, cb);
+    if (ks % 4 == 0) WaitFull(s, t, cb);
     const uint32_t in_block = (ks % 4) * 32;
     const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
     const uint64_t b = k_desc + ((cb * T::kBlockBytes + in_block) >> 4);
@@ -491,28 +467,6 @@ __device__ __forceinline__ void FinishScores(float (&acc)[kNTiles][4],
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[j][c] += acc_odd[j][c];
   }
-}
-
-// The score warpgroup's end of an item: the rows' final (max, sum) to shared memory for warpgroup
-// 2, then its columns [0, 256) stored.
-template <typename T, int kNTiles>
-__device__ __forceinline__ void StoreScoreRows(const MlaParams& p, const Work& w, const Smem<T>& s,
-                                               const OnlineSoftmax<kNTiles>& softmax,
-                                               const float (&o)[kDTiles][4], const RowSink& sink,
-                                               int warp, int lane) {
-  const int row_g = 16 * warp + lane / 4;
-  const float m[2] = {softmax.m[0], softmax.m[1]};
-  const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
-  if ((lane & 3) == 0) {
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      s.FinalMax()[row_g + 8 * x] = m[x];
-      s.FinalSum()[row_g + 8 * x] = sums[x];
-    }
-  }
-  NamedBarrierSync(kFinalBarrier, 256);
-  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
-  StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, 0, lane, true);
 }
 
 // Warpgroup 1: scores, softmax, P for both consumers, and output columns [0, 256).
@@ -614,119 +568,18 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   // An item without keys meets warpgroup 2 at no P barrier: in a persistent kernel, wait until it
   // has read the previous item's final rows before writing this one's.
   if (T::kPersistent && w.num_tiles == 0) NamedBarrierSync(kFinalBarrier, 256);
-  StoreScoreRows(p, w, s, softmax, o, sink, warp, lane);
-}
-
-// Warpgroup 1 of a T::kEarlyNextS kernel: ConsumeScores over all of the CTA's items, from `first`
-// on, each next one read from the queue (next(): its Work, or num_tiles < 0 for none) during the
-// item's last step, whose P V is followed by S of the next item's first tile: that S runs under
-// the P V and the epilogue instead of after them. Every path issues the same GEMMs (ptxas
-// serializes every wgmma of a kernel whose in-flight groups it cannot count): where no next item
-// has keys, the S is issued on whatever Q and the stage hold and discarded.
-template <typename T, typename Next>
-__device__ __forceinline__ void ConsumeScoresChained(const MlaParams& p, const Work& first,
-                                                     const Smem<T>& s, int ctid,
-                                                     const RowSink& sink, Next&& next) {
-  constexpr int kBlockN = T::kBlockN;
-  const int warp = ctid / 32, lane = ctid % 32;
-  const float scale_log2 = p.sm_scale * kLog2e;
-  const uint64_t q_desc0 = KMajorDescriptor(s.Q());
-  float acc[T::kNTiles][4];
-  float acc_odd[T::kNTiles][4];
-  uint32_t pf[T::kPSteps][4];
-  float alpha[2];
-
-  // S of item u's first tile, or (u has no keys, or is none) a discarded one on stage 0.
-  auto issue_first = [&](const Work& u) {
-    // The same in every lane, as the compiler sees (ItemQueue::Read): its waits do not diverge.
-    const bool real = __shfl_sync(0xffffffffu, u.num_tiles > 0 ? 1 : 0, 0) != 0;
-    if (real) BarrierWait(s.QFull(), u.q_loads_before & 1);
-    WgmmaFence();
-    IssueScores<T>(acc, acc_odd, s, real ? u.Tile(0) : 0, q_desc0, real);
-    WgmmaCommit();
-  };
-  Work w = first;
-  issue_first(w);
-  for (;;) {
-    const RowLimits rows(p, w, warp, lane);
-    const int row_g = rows.row_g;
-    float o[kDTiles][4] = {};
-    OnlineSoftmax<T::kNTiles> softmax;
-    auto finish_qk = [&] { FinishScores(acc, acc_odd); };
-    auto softmax_tile = [&](int t) {
-      rows.Mask(acc, w.item.kv_begin + t * kBlockN, lane);
-      if (T::kLeanSoftmax && scale_log2 > 0.f) {
-        softmax.template UpdatePositiveScale<kLazyRescale>(acc, scale_log2, alpha);
-      } else {
-        softmax.template Update<kLazyRescale>(acc, scale_log2, alpha);
-      }
-    };
-    auto publish_p = [&] {
-      StoreFragments(s.PPtr(), pf, row_g, lane);
-      if ((lane & 3) == 0) {
-        s.Alpha()[row_g] = alpha[0];
-        s.Alpha()[row_g + 8] = alpha[1];
-      }
-      FenceProxyAsync();
-    };
-    auto q_read = [&] {
-      if (lane == 0) BarrierArrive(s.QEmpty());
-    };
-    Work following;
-    if (w.num_tiles > 0) {
-      WgmmaWait<0>();
-      if (w.num_tiles == 1) q_read();
-      finish_qk();
-      softmax_tile(0);
-      ScoresToA(acc, pf);
-      // As ConsumeScores' step; the last one (kMore false) issues the next item's first S.
-      auto step = [&](int t, auto more) {
-        constexpr bool kMore = decltype(more)::value;
-        RescaleAccumulator<kLazyRescale>(o, alpha);
-        NamedBarrierSync(kPEmptyBarrier, 256);
-        publish_p();
-        NamedBarrierArrive(kPFullBarrier, 256);
-        WgmmaFence();
+  const float m[2] = {softmax.m[0], softmax.m[1]};
+  const float sums[2] = {softmax.RowSum(0), softmax.RowSum(1)};
+  if ((lane & 3) == 0) {
 #pragma unroll
-        for (int ks = 0; ks < T::kPSteps; ++ks) {
-          Wgmma<kHalfCols>::RSTransB(o, pf[ks], ValueDescriptor(s, w.Tile(t) % T::kStages, 0, ks));
-        }
-        WgmmaCommit();
-        if constexpr (kMore) {
-          IssueScores<T>(acc, acc_odd, s, w.Tile(t + 1), q_desc0);
-          WgmmaCommit();
-        } else {
-          following = next();
-          issue_first(following);
-        }
-        WgmmaWait<1>();  // P V of tile t is done; the S after it may still run
-        PinRegisters(o);
-        PinRegisters(pf);
-        Release(s, w.Tile(t), lane);
-        if constexpr (kMore) {
-          NamedBarrierArrive(kLeftDoneBarrier, 256);
-          WgmmaWait<0>();
-          if (t + 2 == w.num_tiles) q_read();
-          finish_qk();
-          softmax_tile(t + 1);
-          ScoresToA(acc, pf);
-        }
-      };
-      for (int t = 0; t + 1 < w.num_tiles; ++t) step(t, std::true_type());
-      step(w.num_tiles - 1, std::false_type());
-    } else {
-      WgmmaWait<0>();  // the discarded S issued for this item
-      following = next();
-      issue_first(following);
-      NamedBarrierSync(kFinalBarrier, 256);  // as ConsumeScores' persistent item without keys
+    for (int x = 0; x < 2; ++x) {
+      s.FinalMax()[row_g + 8 * x] = m[x];
+      s.FinalSum()[row_g + 8 * x] = sums[x];
     }
-
-    StoreScoreRows(p, w, s, softmax, o, sink, warp, lane);
-    if (following.num_tiles < 0) break;
-    w = following;
-    __syncwarp();  // converge each warp before the next item's GEMMs (ForEachItem)
   }
-  WgmmaWait<0>();  // the last, discarded S
+  NamedBarrierSync(kFinalBarrier, 256);
+  const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
+  StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, 0, lane, true);
 }
 
 // Warpgroup 2: output columns [256, 512) from the score warpgroup's P and factors.
@@ -812,14 +665,9 @@ constexpr int kMaxClusterSplits = 8;  // the largest portable cluster
 
 // A split decode's chunks of a row tile run as a cluster and merge there (kClusterMerge) where the
 // plan groups them (PlanConfig::cluster_splits); other launches run plain CTAs of the same kernel.
-// kAddressOrder_ (trial, variant 51): key tiles that lie whole in one page are copied in address
-// order, 2 KiB of consecutive bytes a pass of the producer's 128 lanes, and complete on all their
-// column blocks' barriers at once (Produce), instead of column block by column block (each pass
-// 16 rows' 128-byte pieces, 1152 bytes apart).
-template <int kN_, bool kAddressOrder_ = false>
+template <int kN_>
 struct NarrowTraits {
   static constexpr bool kNarrow = true;
-  static constexpr bool kAddressOrder = kAddressOrder_;
   static constexpr bool kClusterMerge = true;
   static constexpr bool kPersistent = false;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
@@ -1304,28 +1152,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     ConsumeNarrow<T>(p, first, s, tid - 128, sink, clustered);
   } else if (tid < 256) {
     ClaimRegisters<T::kFirstRegisters>();
-    if constexpr (T::kEarlyNextS) {
-      int k = 0, tiles = 0, q_loads = 0;
-      Work w = first;
-      ConsumeScoresChained<T>(p, first, s, tid - 128, sink, [&] {
-        // ForEachItem's bookkeeping, one item ahead.
-        tiles += w.num_tiles;
-        q_loads += w.num_tiles > 0 ? 1 : 0;
-        __syncwarp();
-        const int index = queue.Read(++k);
-        if (index < 0) {
-          w.num_tiles = -1;
-          return w;
-        }
-        w = WorkOf<T>(p, items, index);
-        w.tiles_before = tiles;
-        w.q_loads_before = q_loads;
-        return w;
-      });
-    } else {
-      ForEachItem<T, false>(p, items, queue, first,
-                            [&](const Work& w) { ConsumeScores<T>(p, w, s, tid - 128, sink); });
-    }
+    ForEachItem<T, false>(p, items, queue, first,
+                          [&](const Work& w) { ConsumeScores<T>(p, w, s, tid - 128, sink); });
   } else {
     ClaimRegisters<T::kSecondRegisters>();
     ForEachItem<T, false>(p, items, queue, first,
@@ -1439,8 +1267,6 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<NarrowTraits<16>>());
     case kMlaSm90Narrow32:
       return fn(Config<NarrowTraits<32>>());
-    case kMlaSm90Narrow16AddressOrder:
-      return fn(Config<NarrowTraits<16, true>>());
     case kMlaSm90LateRightTmaLazy:
       return fn(Config<Traits<>>());
     case kMlaSm90LateRightTmaTouch2Lazy:
@@ -1453,8 +1279,6 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<0, true, true>>());
     case kMlaSm90PersistentTouch2Lean:
       return fn(Config<Traits<2, true, true>>());
-    case kMlaSm90PersistentTouch2LeanEarlyS:
-      return fn(Config<Traits<2, true, true, true>>());
     default:
       return cudaErrorInvalidValue;
   }
