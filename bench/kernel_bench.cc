@@ -7,6 +7,7 @@
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
 //                [--mla_variants 0,41] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
 //                [--split_waves W] [--sequential_pages] [--stamps DIR]
+//                [--decode_shapes BxKEYSpPAGE,...]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
@@ -21,6 +22,10 @@
 //
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
 // difference is what scattered page reads cost a kernel.
+//
+// --decode_shapes adds 32/8-head, head_dim-128 GQA decodes of the given batch, keys and page size
+// (`32x8192p16,128x2048p16`: the bytes of b64 x 4096 in half and twice the CTAs), named
+// gqa_decode_32/8_b<B>x<KEYS>_p<PAGE> like the standard ones, which --filter still selects among.
 //
 // --stamps DIR runs the stamped GQA prefill (kGqaPrefillSm90Stamped: the default's kernel with
 // phase stamps) once more on every GQA prefill shape of head_dim 128, after a flush, and writes
@@ -84,16 +89,16 @@ std::vector<SeqSpec> Uniform(int batch, int q_len, int kv_len) {
   return std::vector<SeqSpec>(batch, SeqSpec{q_len, kv_len, 0});
 }
 
+Shape GqaDecode32x8(int batch, int keys, int page) {
+  const std::string name = "gqa_decode_32/8_b" + std::to_string(batch) + "x" +
+                           std::to_string(keys) + "_p" + std::to_string(page);
+  return {name, false, 32, 8, 128, page, true, Uniform(batch, 1, keys)};
+}
+
 std::vector<Shape> Shapes() {
   std::vector<Shape> s;
-  for (int page : {1, 16, 64}) {
-    s.push_back({"gqa_decode_32/8_b64x4096_p" + std::to_string(page), false, 32, 8, 128, page, true,
-                 Uniform(64, 1, 4096)});
-  }
-  for (int page : {1, 16, 64}) {
-    s.push_back({"gqa_decode_32/8_b1x16384_p" + std::to_string(page), false, 32, 8, 128, page, true,
-                 Uniform(1, 1, 16384)});
-  }
+  for (int page : {1, 16, 64}) s.push_back(GqaDecode32x8(64, 4096, page));
+  for (int page : {1, 16, 64}) s.push_back(GqaDecode32x8(1, 16384, page));
   s.push_back(
       {"gqa_decode_40/10_b128x2048_p16", false, 40, 10, 128, 16, true, Uniform(128, 1, 2048)});
   s.push_back(
@@ -273,6 +278,7 @@ int Main(int argc, char** argv) {
   };
   testing::PlanOverrides overrides;
   std::vector<int> min_chunks{0};  // 0: the kernel's own
+  std::vector<Shape> all_shapes = Shapes();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json" && i + 1 < argc)
@@ -297,12 +303,25 @@ int Main(int argc, char** argv) {
       mla_variants = parse_list(argv[++i]);
     else if (a == "--decode_variants" && i + 1 < argc)
       decode_variants = parse_list(argv[++i]);
-    else {
+    else if (a == "--decode_shapes" && i + 1 < argc) {
+      std::stringstream in(argv[++i]);
+      for (std::string spec; std::getline(in, spec, ',');) {
+        int batch = 0, keys = 0, page = 0;
+        char x = 0, p = 0, rest = 0;
+        if (std::sscanf(spec.c_str(), "%d%c%d%c%d%c", &batch, &x, &keys, &p, &page, &rest) != 5 ||
+            x != 'x' || p != 'p' || batch < 1 || keys < 1 || page < 1) {
+          std::fprintf(stderr, "kernel_bench: --decode_shapes wants BxKEYSpPAGE, got '%s'\n",
+                       spec.c_str());
+          return 2;
+        }
+        all_shapes.push_back(GqaDecode32x8(batch, keys, page));
+      }
+    } else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
                    "[--prefill_variants 0,26] [--mla_variants 0,41] [--decode_variants 0,1] "
                    "[--min_chunk KEYS] [--waves W] [--split_waves W] [--sequential_pages] "
-                   "[--stamps DIR]\n");
+                   "[--stamps DIR] [--decode_shapes BxKEYSpPAGE,...]\n");
       return 2;
     }
   }
@@ -322,7 +341,7 @@ int Main(int argc, char** argv) {
   std::printf("%-40s %10s %8s %7s %7s %7s %6s\n", "shape", "median_us", "TFLOP/s", "TB/s",
               "of_copy", "items", "chunk");
   std::vector<Shape> shapes;
-  for (const Shape& s : Shapes()) {
+  for (const Shape& s : all_shapes) {
     if (filter.empty() || std::regex_search(s.name, std::regex(filter))) shapes.push_back(s);
   }
   // The host batches of the next kBuildAhead shapes are built on threads of their own (a 1 GiB
