@@ -7,7 +7,7 @@
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
 //                [--mla_variants 0,41] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
 //                [--split_waves W] [--sequential_pages] [--stamps DIR]
-//                [--decode_shapes BxKEYSpPAGE,...]
+//                [--decode_shapes [QO/KV:]BxKEYSpPAGE,...]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
@@ -23,9 +23,11 @@
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
 // difference is what scattered page reads cost a kernel.
 //
-// --decode_shapes adds 32/8-head, head_dim-128 GQA decodes of the given batch, keys and page size
-// (`32x8192p16,128x2048p16`: the bytes of b64 x 4096 in half and twice the CTAs), named
-// gqa_decode_32/8_b<B>x<KEYS>_p<PAGE> like the standard ones, which --filter still selects among.
+// --decode_shapes adds head_dim-128 GQA decodes of the given heads (32/8 unless named), batch,
+// keys and page size, named gqa_decode_<QO>/<KV>_b<B>x<KEYS>_p<PAGE> like the standard ones, which
+// --filter still selects among. `32x8192p16,128x2048p16`: the bytes of b64 x 4096 in half and
+// twice the CTAs; `4/1:512x4096p4096`: its CTAs and bytes with each CTA's K and V contiguous (one
+// KV head, one page a sequence), as SDPA's head-major tensors lay them out.
 //
 // --stamps DIR runs the stamped GQA prefill (kGqaPrefillSm90Stamped: the default's kernel with
 // phase stamps) once more on every GQA prefill shape of head_dim 128, after a flush, and writes
@@ -89,16 +91,17 @@ std::vector<SeqSpec> Uniform(int batch, int q_len, int kv_len) {
   return std::vector<SeqSpec>(batch, SeqSpec{q_len, kv_len, 0});
 }
 
-Shape GqaDecode32x8(int batch, int keys, int page) {
-  const std::string name = "gqa_decode_32/8_b" + std::to_string(batch) + "x" +
+Shape GqaDecode(int qo_heads, int kv_heads, int batch, int keys, int page) {
+  const std::string name = "gqa_decode_" + std::to_string(qo_heads) + "/" +
+                           std::to_string(kv_heads) + "_b" + std::to_string(batch) + "x" +
                            std::to_string(keys) + "_p" + std::to_string(page);
-  return {name, false, 32, 8, 128, page, true, Uniform(batch, 1, keys)};
+  return {name, false, qo_heads, kv_heads, 128, page, true, Uniform(batch, 1, keys)};
 }
 
 std::vector<Shape> Shapes() {
   std::vector<Shape> s;
-  for (int page : {1, 16, 64}) s.push_back(GqaDecode32x8(64, 4096, page));
-  for (int page : {1, 16, 64}) s.push_back(GqaDecode32x8(1, 16384, page));
+  for (int page : {1, 16, 64}) s.push_back(GqaDecode(32, 8, 64, 4096, page));
+  for (int page : {1, 16, 64}) s.push_back(GqaDecode(32, 8, 1, 16384, page));
   s.push_back(
       {"gqa_decode_40/10_b128x2048_p16", false, 40, 10, 128, 16, true, Uniform(128, 1, 2048)});
   s.push_back(
@@ -306,22 +309,28 @@ int Main(int argc, char** argv) {
     else if (a == "--decode_shapes" && i + 1 < argc) {
       std::stringstream in(argv[++i]);
       for (std::string spec; std::getline(in, spec, ',');) {
-        int batch = 0, keys = 0, page = 0;
-        char x = 0, p = 0, rest = 0;
-        if (std::sscanf(spec.c_str(), "%d%c%d%c%d%c", &batch, &x, &keys, &p, &page, &rest) != 5 ||
-            x != 'x' || p != 'p' || batch < 1 || keys < 1 || page < 1) {
-          std::fprintf(stderr, "kernel_bench: --decode_shapes wants BxKEYSpPAGE, got '%s'\n",
+        int qo = 32, kv = 8, batch = 0, keys = 0, page = 0, used = 0;
+        std::sscanf(spec.c_str(), "%d/%d:%n", &qo, &kv, &used);  // the heads are optional
+        if (used == 0) qo = 32, kv = 8;
+        char x = 0, p = 0;
+        int end = 0;
+        if (std::sscanf(spec.c_str() + used, "%d%c%d%c%d%n", &batch, &x, &keys, &p, &page, &end) !=
+                5 ||
+            used + end != static_cast<int>(spec.size()) || x != 'x' || p != 'p' || batch < 1 ||
+            keys < 1 || page < 1 || kv < 1 || qo < kv || qo % kv != 0) {
+          std::fprintf(stderr,
+                       "kernel_bench: --decode_shapes wants [QO/KV:]BxKEYSpPAGE, got '%s'\n",
                        spec.c_str());
           return 2;
         }
-        all_shapes.push_back(GqaDecode32x8(batch, keys, page));
+        all_shapes.push_back(GqaDecode(qo, kv, batch, keys, page));
       }
     } else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
                    "[--prefill_variants 0,26] [--mla_variants 0,41] [--decode_variants 0,1] "
                    "[--min_chunk KEYS] [--waves W] [--split_waves W] [--sequential_pages] "
-                   "[--stamps DIR] [--decode_shapes BxKEYSpPAGE,...]\n");
+                   "[--stamps DIR] [--decode_shapes [QO/KV:]BxKEYSpPAGE,...]\n");
       return 2;
     }
   }
