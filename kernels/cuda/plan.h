@@ -56,10 +56,11 @@ struct PlanConfig {
   // for cta_slots * target_waves CTAs when splitting.
   double waves_before_split = 2.0;
   double target_waves = 4.0;
-  // Nor when the unsplit plan has at least cta_slots CTAs and keeps at least this share of the
-  // slots busy until its last CTA ends (CTAs taken longest first by the first free slot, each as
-  // long as its keys; 0: off). A memory-bound kernel saturates memory with one wave of CTAs, so a
-  // second, full wave costs it nothing, while a split costs partial outputs and a merge.
+  // Nor when the unsplit plan keeps at least this share of the slots busy until its last CTA ends
+  // (CTAs taken longest first by the first free slot, each as long as its keys; 0: off). A
+  // memory-bound kernel saturates memory with about one wave of CTAs, so a second, full wave
+  // costs it nothing, nor do the few slots a nearly full single wave leaves idle, while a split
+  // costs partial outputs and a merge.
   double no_split_fill = 0;
   int min_chunk_len = 256;             // a shorter chunk costs more in merging than it gains
   int64_t max_partial_rows = 1 << 22;  // workspace capacity, in (token, head) rows

@@ -182,6 +182,17 @@ TEST(PlanTest, FullWavesStayUnsplitWhenTheKernelSaysSo) {
   std::vector<int32_t> q37(37, 1), kv37(37, 4096);
   EXPECT_GT(PlanAttention(c, q37.data(), kv37.data(), 37).chunk_len, 0);
 
+  // 32 x 8192: 256 CTAs keep 97% of one wave busy, the same bytes as 64 x 4096: no split either.
+  std::vector<int32_t> q32(32, 1), kv32(32, 8192);
+  const AttentionPlan one_wave = PlanAttention(c, q32.data(), kv32.data(), 32);
+  EXPECT_EQ(one_wave.chunk_len, 0);
+  EXPECT_TRUE(one_wave.merges.empty());
+  ExpectPlanCovers(c, one_wave, q32, kv32);
+
+  // 28 x 8192: 224 CTAs keep 85% of the wave busy: split.
+  std::vector<int32_t> q28(28, 1), kv28(28, 8192);
+  EXPECT_GT(PlanAttention(c, q28.data(), kv28.data(), 28).chunk_len, 0);
+
   // As many CTAs as the first case, but one sequence of 16384 keys among short ones: its 8 CTAs
   // would run alone long after the rest (9% busy): split.
   std::vector<int32_t> kv_long(64, 512);
