@@ -305,7 +305,8 @@ cudaError_t Tiling(KernelTiling* tiling) {
   // 37 us with 512 (fewer CTAs and merge inputs, each CTA long enough to fill its pipeline).
   tiling->min_chunk_len = 512;
   // Batch 64 x 4096 (32/8 heads: 512 CTAs, 1.94 waves) ran 268 us unsplit and 277 us in 2048-key
-  // chunks at page size 1 on the H200 (bench/RESULTS.md).
+  // chunks at page size 1 on the H200, and 32 x 8192 (256 CTAs, 0.97 of a wave) 361 us unsplit
+  // and 383 us in 2048-key chunks on an H100 (bench/RESULTS.md).
   tiling->no_split_fill = 0.9;
   return DescribeKernel(GqaDecodeKernel<kHeadDim, kKernel>, kThreads, T::kSmemBytes, kBlockM,
                         kBlockN, tiling);
