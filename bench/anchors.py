@@ -9,10 +9,14 @@ holds them), row "cudnn_bshd": what the layout alone costs a decode, which reads
 
     python3 bench/anchors.py --json anchors.json
     python3 bench/anchors.py --filter 'decode_32/8_b64' --backends cudnn --no_ceilings --runs 3
+    python3 bench/anchors.py --filter 'b32x' --decode_shapes 32x8192p16,4/1:512x4096 --no_ceilings
 
 --filter keeps the shapes whose name the regular expression matches a part of, --backends the
 labels named (cudnn, flash, cudnn_bshd), and --no_ceilings skips the GEMM and copy ceilings: so
 that a profiler (Nsight Compute's --kernel-name, --launch-skip) sees one shape's kernels alone.
+--decode_shapes adds decodes as kernel_bench's option of that name does, in its spelling
+([QO/KV:]BxKEYS[pPAGE], 32/8 heads unless named; the page size, which contiguous K/V do not
+have, is left out of the name), so that one list gives both tools the same shapes.
 """
 
 import argparse
@@ -35,6 +39,22 @@ GQA_SHAPES = {
     "gqa_prefill_40/10_8x512_on_1024_p16": (40, 10, 128, 8, 512, 1536),
     "gqa_prefill_20/4_1117_on_71488_p64": (20, 4, 128, 1, 1117, 71488 + 1117),
 }
+DECODE_SPEC = re.compile(r"(?:(\d+)/(\d+):)?(\d+)x(\d+)(?:p\d+)?")
+
+
+def decode_shapes(arg):
+    """--decode_shapes' list -> {name: shape}, as kernel_bench names the shapes (less _p<PAGE>)."""
+    shapes = {}
+    for spec in arg.split(","):
+        m = DECODE_SPEC.fullmatch(spec)
+        qo, kv = (int(m[1]), int(m[2])) if m and m[1] else (32, 8)
+        if not m or int(m[3]) < 1 or int(m[4]) < 1 or kv < 1 or qo < kv or qo % kv:
+            raise argparse.ArgumentTypeError(f"wants [QO/KV:]BxKEYS[pPAGE], got {spec!r}")
+        batch, keys = int(m[3]), int(m[4])
+        shapes[f"gqa_decode_{qo}/{kv}_b{batch}x{keys}"] = (qo, kv, 128, batch, 1, keys)
+    return shapes
+
+
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 
 
@@ -102,6 +122,7 @@ def main():
     parser.add_argument("--backends", default="", help="comma-separated labels; all if empty")
     parser.add_argument("--no_ceilings", action="store_true")
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--decode_shapes", type=decode_shapes, default={})
     args = parser.parse_args()
     torch.manual_seed(0)
     labels = set(args.backends.split(",")) if args.backends else None
@@ -114,7 +135,7 @@ def main():
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
 
     results = {"gemm_tflops": gemm_tflops, "copy_tbps": copy_tbps, "shapes": {}}
-    for name, shape in GQA_SHAPES.items():
+    for name, shape in {**GQA_SHAPES, **args.decode_shapes}.items():
         if not re.search(args.filter, name):
             continue
         results["shapes"][name] = {}

@@ -16,8 +16,11 @@ import json
 
 
 def anchor_of(anchors, name):
-    """The anchors of the shape kernel_bench calls `name` (anchors.py names a prefix of it)."""
-    return next((v for k, v in anchors["shapes"].items() if name.startswith(k)), {})
+    """The anchors of the shape kernel_bench calls `name` (anchors.py names it, or a prefix of it
+    that ends before one of its _-separated parts: b1x4096 is not b1x40960's)."""
+    return next(
+        (v for k, v in anchors["shapes"].items() if name == k or name.startswith(k + "_")), {}
+    )
 
 
 def ceilings_table(ours, anchors):
