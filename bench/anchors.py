@@ -16,7 +16,8 @@ labels named (cudnn, flash, cudnn_bshd), and --no_ceilings skips the GEMM and co
 that a profiler (Nsight Compute's --kernel-name, --launch-skip) sees one shape's kernels alone.
 --decode_shapes adds decodes as kernel_bench's option of that name does, in its spelling
 ([QO/KV:]BxKEYS[pPAGE], 32/8 heads unless named; the page size, which contiguous K/V do not
-have, is left out of the name), so that one list gives both tools the same shapes.
+have, is left out of the name; its mla<H>: shapes, which SDPA has no kernel for, are skipped),
+so that one list gives both tools the same shapes.
 """
 
 import argparse
@@ -40,12 +41,15 @@ GQA_SHAPES = {
     "gqa_prefill_20/4_1117_on_71488_p64": (20, 4, 128, 1, 1117, 71488 + 1117),
 }
 DECODE_SPEC = re.compile(r"(?:(\d+)/(\d+):)?(\d+)x(\d+)(?:p\d+)?")
+MLA_SPEC = re.compile(r"mla[1-9]\d*:[1-9]\d*x[1-9]\d*p[1-9]\d*")
 
 
 def decode_shapes(arg):
     """--decode_shapes' list -> {name: shape}, as kernel_bench names the shapes (less _p<PAGE>)."""
     shapes = {}
     for spec in arg.split(","):
+        if MLA_SPEC.fullmatch(spec):
+            continue  # SDPA has no MLA (kernel_bench's mla<H>: shapes)
         m = DECODE_SPEC.fullmatch(spec)
         qo, kv = (int(m[1]), int(m[2])) if m and m[1] else (32, 8)
         if not m or int(m[3]) < 1 or int(m[4]) < 1 or kv < 1 or qo < kv or qo % kv:

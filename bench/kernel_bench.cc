@@ -7,7 +7,7 @@
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
 //                [--mla_variants 0,41] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
 //                [--split_waves W] [--sequential_pages] [--stamps DIR]
-//                [--decode_shapes [QO/KV:]BxKEYSpPAGE,...]
+//                [--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
@@ -27,7 +27,8 @@
 // keys and page size, named gqa_decode_<QO>/<KV>_b<B>x<KEYS>_p<PAGE> like the standard ones, which
 // --filter still selects among. `32x8192p16,128x2048p16`: the bytes of b64 x 4096 in half and
 // twice the CTAs; `4/1:512x4096p4096`: its CTAs and bytes with each CTA's K and V contiguous (one
-// KV head, one page a sequence), as SDPA's head-major tensors lay them out.
+// KV head, one page a sequence), as SDPA's head-major tensors lay them out. `mla<H>:` makes it an
+// MLA decode of H heads (mla_decode_<H>h_b<B>x<KEYS>_p<PAGE>): `mla128:64x4096p64`.
 //
 // --stamps DIR runs the stamped GQA prefill (kGqaPrefillSm90Stamped: the default's kernel with
 // phase stamps) once more on every GQA prefill shape of head_dim 128, after a flush, and writes
@@ -44,6 +45,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <random>
 #include <regex>
 #include <sstream>
@@ -98,6 +100,33 @@ Shape GqaDecode(int qo_heads, int kv_heads, int batch, int keys, int page) {
   return {name, false, qo_heads, kv_heads, 128, page, true, Uniform(batch, 1, keys)};
 }
 
+Shape MlaDecode(int heads, int batch, int keys, int page) {
+  const std::string name = "mla_decode_" + std::to_string(heads) + "h_b" + std::to_string(batch) +
+                           "x" + std::to_string(keys) + "_p" + std::to_string(page);
+  return {name, true, heads, 1, 0, page, true, Uniform(batch, 1, keys)};
+}
+
+// One --decode_shapes entry, [QO/KV:|mlaH:]BxKEYSpPAGE, or nullopt if it is not one.
+std::optional<Shape> ParseDecodeShape(const std::string& spec) {
+  int qo = 32, kv = 8, mla_heads = 0, batch = 0, keys = 0, page = 0, used = 0;
+  std::sscanf(spec.c_str(), "mla%d:%n", &mla_heads, &used);
+  if (used == 0) {
+    mla_heads = 0;
+    std::sscanf(spec.c_str(), "%d/%d:%n", &qo, &kv, &used);
+    if (used == 0) qo = 32, kv = 8;
+  }
+  char x = 0, p = 0;
+  int end = 0;
+  if (std::sscanf(spec.c_str() + used, "%d%c%d%c%d%n", &batch, &x, &keys, &p, &page, &end) != 5 ||
+      used + end != static_cast<int>(spec.size()) || x != 'x' || p != 'p' || batch < 1 ||
+      keys < 1 || page < 1 || kv < 1 || qo < kv || qo % kv != 0) {
+    return std::nullopt;
+  }
+  if (spec.rfind("mla", 0) != 0) return GqaDecode(qo, kv, batch, keys, page);
+  if (mla_heads < 1) return std::nullopt;
+  return MlaDecode(mla_heads, batch, keys, page);
+}
+
 std::vector<Shape> Shapes() {
   std::vector<Shape> s;
   for (int page : {1, 16, 64}) s.push_back(GqaDecode(32, 8, 64, 4096, page));
@@ -112,8 +141,8 @@ std::vector<Shape> Shapes() {
                Uniform(8, 512, 1536)});
   s.push_back({"gqa_prefill_20/4_1117_on_71488_p64", false, 20, 4, 128, 64, false,
                Uniform(1, 1117, 71488 + 1117)});
-  s.push_back({"mla_decode_16h_b64x4096_p64", true, 16, 1, 0, 64, true, Uniform(64, 1, 4096)});
-  s.push_back({"mla_decode_128h_b128x4096_p64", true, 128, 1, 0, 64, true, Uniform(128, 1, 4096)});
+  s.push_back(MlaDecode(16, 64, 4096, 64));
+  s.push_back(MlaDecode(128, 128, 4096, 64));
   // MLA prefill: 6053 new tokens over 11 sequences (the published shape's token count).
   std::vector<SeqSpec> mla_prefill;
   std::mt19937 rng(11);
@@ -309,28 +338,21 @@ int Main(int argc, char** argv) {
     else if (a == "--decode_shapes" && i + 1 < argc) {
       std::stringstream in(argv[++i]);
       for (std::string spec; std::getline(in, spec, ',');) {
-        int qo = 32, kv = 8, batch = 0, keys = 0, page = 0, used = 0;
-        std::sscanf(spec.c_str(), "%d/%d:%n", &qo, &kv, &used);  // the heads are optional
-        if (used == 0) qo = 32, kv = 8;
-        char x = 0, p = 0;
-        int end = 0;
-        if (std::sscanf(spec.c_str() + used, "%d%c%d%c%d%n", &batch, &x, &keys, &p, &page, &end) !=
-                5 ||
-            used + end != static_cast<int>(spec.size()) || x != 'x' || p != 'p' || batch < 1 ||
-            keys < 1 || page < 1 || kv < 1 || qo < kv || qo % kv != 0) {
+        const std::optional<Shape> shape = ParseDecodeShape(spec);
+        if (!shape) {
           std::fprintf(stderr,
-                       "kernel_bench: --decode_shapes wants [QO/KV:]BxKEYSpPAGE, got '%s'\n",
+                       "kernel_bench: --decode_shapes wants [QO/KV:|mlaH:]BxKEYSpPAGE, got '%s'\n",
                        spec.c_str());
           return 2;
         }
-        all_shapes.push_back(GqaDecode(qo, kv, batch, keys, page));
+        all_shapes.push_back(*shape);
       }
     } else {
       std::fprintf(stderr,
                    "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
                    "[--prefill_variants 0,26] [--mla_variants 0,41] [--decode_variants 0,1] "
                    "[--min_chunk KEYS] [--waves W] [--split_waves W] [--sequential_pages] "
-                   "[--stamps DIR] [--decode_shapes [QO/KV:]BxKEYSpPAGE,...]\n");
+                   "[--stamps DIR] [--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]\n");
       return 2;
     }
   }
