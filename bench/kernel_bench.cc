@@ -6,7 +6,7 @@
 //
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
 //                [--mla_variants 0,41] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
-//                [--split_waves W] [--sequential_pages] [--stamps DIR]
+//                [--split_waves W] [--no_split_fill F] [--sequential_pages] [--stamps DIR]
 //                [--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
@@ -15,7 +15,10 @@
 // --min_chunk takes a list too (0: the kernel's own), measured for every variant. --waves sets the
 // planner's target waves when it splits keys, --split_waves the waves below which it splits
 // (ignoring the kernel's fill test): with `--split_waves 1000 --waves 1000 --min_chunk 512,1024`
-// every sequence longer than the chunk is split into chunks of that many keys.
+// every sequence longer than the chunk is split into chunks of that many keys. --no_split_fill
+// keeps whole a plan whose CTAs keep at least that share of the slots busy to the end
+// (PlanConfig::no_split_fill) in place of the kernel's own test: with `--no_split_fill 0.9` the
+// 64-row MLA decode plans as the GQA decode does.
 //
 // The variant lists name kernels (KernelTiling::variant) to measure side by side on each shape of
 // their family; each shape's batch is built once for all of them.
@@ -329,6 +332,8 @@ int Main(int argc, char** argv) {
       overrides.target_waves = std::atof(argv[++i]);
     else if (a == "--split_waves" && i + 1 < argc)
       overrides.waves_before_split = std::atof(argv[++i]);
+    else if (a == "--no_split_fill" && i + 1 < argc)
+      overrides.no_split_fill = std::atof(argv[++i]);
     else if (a == "--prefill_variants" && i + 1 < argc)
       variants = parse_list(argv[++i]);
     else if (a == "--mla_variants" && i + 1 < argc)
@@ -348,11 +353,12 @@ int Main(int argc, char** argv) {
         all_shapes.push_back(*shape);
       }
     } else {
-      std::fprintf(stderr,
-                   "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
-                   "[--prefill_variants 0,26] [--mla_variants 0,41] [--decode_variants 0,1] "
-                   "[--min_chunk KEYS] [--waves W] [--split_waves W] [--sequential_pages] "
-                   "[--stamps DIR] [--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]\n");
+      std::fprintf(
+          stderr,
+          "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
+          "[--prefill_variants 0,26] [--mla_variants 0,41] [--decode_variants 0,1] "
+          "[--min_chunk KEYS] [--waves W] [--split_waves W] [--no_split_fill F] "
+          "[--sequential_pages] [--stamps DIR] [--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]\n");
       return 2;
     }
   }

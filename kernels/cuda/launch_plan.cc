@@ -136,6 +136,7 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
     config.waves_before_split = options.waves_before_split;
     config.no_split_fill = 0;
   }
+  if (options.no_split_fill > 0) config.no_split_fill = options.no_split_fill;
   const PlanKey key{options.table_id, mla_,   page_size,
                     tiling.variant,   config, options.output_chunk_bytes};
   plan_reused_ = options.table_id != 0 && key == planned_;

@@ -292,6 +292,32 @@ TEST(LaunchPlanTest, WavesBeforeSplitOverridesTheSplitDecision) {
   EXPECT_EQ(split.plan().max_splits, 1024 / 256);  // 16 pages of 64 keys a sequence
 }
 
+// The benchmarks' override of the fill test: 4 sequences on 5 CTA slots split by the kernel's
+// own settings (fewer than two waves, no fill test), and stay whole once 80% of one wave is enough.
+TEST(LaunchPlanTest, NoSplitFillOverridesTheKernels) {
+  std::vector<int32_t> kv_indptr{0, 16, 32, 48, 64}, kv_indices(64), last{64, 64, 64, 64};
+  for (int i = 0; i < 64; ++i) kv_indices[i] = i;
+  const PagedBatch b = DecodeView(kv_indptr, kv_indices, last);
+  LaunchOptions o;
+  o.tiling = Tiling(16, 5);
+  o.max_partial_rows = 1 << 20;
+  const MlaCache cache{nullptr, 1, 64, 64};
+  LaunchPlan split;
+  split.PlanMla(cache, 16, b, o);
+  EXPECT_GT(split.plan().chunk_len, 0);
+
+  o.no_split_fill = 0.75;
+  LaunchPlan whole;
+  whole.PlanMla(cache, 16, b, o);
+  EXPECT_EQ(whole.plan().chunk_len, 0);
+  EXPECT_TRUE(whole.plan().merges.empty());
+
+  o.no_split_fill = 0.85;  // above the 80% the four CTAs keep busy
+  LaunchPlan split_again;
+  split_again.PlanMla(cache, 16, b, o);
+  EXPECT_GT(split_again.plan().chunk_len, 0);
+}
+
 // A launch over the table of the last one (LaunchOptions::table_id) keeps its plan, and its
 // per-launch-only indices are seq_layer alone; another id, a new tiling, or no id plans again.
 TEST(LaunchPlanTest, ATablesIdKeepsItsPlan) {

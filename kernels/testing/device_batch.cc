@@ -36,6 +36,7 @@ cuda::LaunchOptions Options(bool append, bool lse, float sm_scale, bool causal,
   o.min_chunk_len = overrides.min_chunk_len;
   o.target_waves = overrides.target_waves;
   o.waves_before_split = overrides.waves_before_split;
+  o.no_split_fill = overrides.no_split_fill;
   o.output_chunk_bytes = overrides.output_chunk_bytes;
   return o;
 }

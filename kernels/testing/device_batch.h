@@ -56,6 +56,7 @@ struct PlanOverrides {
   int min_chunk_len = 0;
   double target_waves = 0;
   double waves_before_split = 0;  // LaunchOptions::waves_before_split
+  double no_split_fill = 0;       // LaunchOptions::no_split_fill
   size_t output_chunk_bytes = 0;  // LaunchOptions::output_chunk_bytes
 };
 
