@@ -112,11 +112,12 @@ Shape MlaDecode(int heads, int batch, int keys, int page) {
 // One --decode_shapes entry, [QO/KV:|mlaH:]BxKEYSpPAGE, or nullopt if it is not one.
 std::optional<Shape> ParseDecodeShape(const std::string& spec) {
   int qo = 32, kv = 8, mla_heads = 0, batch = 0, keys = 0, page = 0, used = 0;
-  std::sscanf(spec.c_str(), "mla%d:%n", &mla_heads, &used);
-  if (used == 0) {
-    mla_heads = 0;
-    std::sscanf(spec.c_str(), "%d/%d:%n", &qo, &kv, &used);
-    if (used == 0) qo = 32, kv = 8;
+  const bool mla = spec.rfind("mla", 0) == 0;
+  if (mla) {
+    std::sscanf(spec.c_str(), "mla%d:%n", &mla_heads, &used);
+    if (used == 0 || mla_heads < 1) return std::nullopt;
+  } else if (std::sscanf(spec.c_str(), "%d/%d:%n", &qo, &kv, &used) < 2 || used == 0) {
+    qo = 32, kv = 8, used = 0;  // the heads are optional
   }
   char x = 0, p = 0;
   int end = 0;
@@ -125,17 +126,14 @@ std::optional<Shape> ParseDecodeShape(const std::string& spec) {
       keys < 1 || page < 1 || kv < 1 || qo < kv || qo % kv != 0) {
     return std::nullopt;
   }
-  if (spec.rfind("mla", 0) != 0) return GqaDecode(qo, kv, batch, keys, page);
-  if (mla_heads < 1) return std::nullopt;
-  return MlaDecode(mla_heads, batch, keys, page);
+  return mla ? MlaDecode(mla_heads, batch, keys, page) : GqaDecode(qo, kv, batch, keys, page);
 }
 
 std::vector<Shape> Shapes() {
   std::vector<Shape> s;
   for (int page : {1, 16, 64}) s.push_back(GqaDecode(32, 8, 64, 4096, page));
   for (int page : {1, 16, 64}) s.push_back(GqaDecode(32, 8, 1, 16384, page));
-  s.push_back(
-      {"gqa_decode_40/10_b128x2048_p16", false, 40, 10, 128, 16, true, Uniform(128, 1, 2048)});
+  s.push_back(GqaDecode(40, 10, 128, 2048, 16));
   s.push_back(
       {"gqa_prefill_32/8_8192_causal_p16", false, 32, 8, 128, 16, false, Uniform(1, 8192, 8192)});
   s.push_back(

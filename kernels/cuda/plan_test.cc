@@ -169,33 +169,32 @@ TEST(PlanTest, LargeDecodeBatchSplitsOnlyToFillTheGpu) {
 }
 
 TEST(PlanTest, FullWavesStayUnsplitWhenTheKernelSaysSo) {
-  // 64 x 4096 at 32/8 heads: 512 CTAs keep 97% of 2 waves of 264 slots busy.
   PlanConfig c = DecodeConfig(4, 8);
   c.no_split_fill = 0.9;
-  std::vector<int32_t> q(64, 1), kv(64, 4096);
-  const AttentionPlan whole = PlanAttention(c, q.data(), kv.data(), 64);
-  EXPECT_EQ(whole.chunk_len, 0);
-  EXPECT_TRUE(whole.merges.empty());
-  ExpectPlanCovers(c, whole, q, kv);
-
+  // `batch` sequences of `keys` keys each, one query token: planned whole, or split.
+  auto expect_whole = [&](int batch, int keys) {
+    std::vector<int32_t> q(batch, 1), kv(batch, keys);
+    const AttentionPlan whole = PlanAttention(c, q.data(), kv.data(), batch);
+    EXPECT_EQ(whole.chunk_len, 0);
+    EXPECT_TRUE(whole.merges.empty());
+    ExpectPlanCovers(c, whole, q, kv);
+  };
+  auto chunk_len = [&](int batch, int keys) {
+    std::vector<int32_t> q(batch, 1), kv(batch, keys);
+    return PlanAttention(c, q.data(), kv.data(), batch).chunk_len;
+  };
+  // 64 x 4096 at 32/8 heads: 512 CTAs keep 97% of 2 waves of 264 slots busy.
+  expect_whole(64, 4096);
   // 37 sequences: 296 CTAs leave the second wave nearly empty (56% busy): split.
-  std::vector<int32_t> q37(37, 1), kv37(37, 4096);
-  EXPECT_GT(PlanAttention(c, q37.data(), kv37.data(), 37).chunk_len, 0);
-
+  EXPECT_GT(chunk_len(37, 4096), 0);
   // 32 x 8192: 256 CTAs keep 97% of one wave busy, the same bytes as 64 x 4096: no split either.
-  std::vector<int32_t> q32(32, 1), kv32(32, 8192);
-  const AttentionPlan one_wave = PlanAttention(c, q32.data(), kv32.data(), 32);
-  EXPECT_EQ(one_wave.chunk_len, 0);
-  EXPECT_TRUE(one_wave.merges.empty());
-  ExpectPlanCovers(c, one_wave, q32, kv32);
-
+  expect_whole(32, 8192);
   // 28 x 8192: 224 CTAs keep 85% of the wave busy: split.
-  std::vector<int32_t> q28(28, 1), kv28(28, 8192);
-  EXPECT_GT(PlanAttention(c, q28.data(), kv28.data(), 28).chunk_len, 0);
+  EXPECT_GT(chunk_len(28, 8192), 0);
 
   // As many CTAs as the first case, but one sequence of 16384 keys among short ones: its 8 CTAs
   // would run alone long after the rest (9% busy): split.
-  std::vector<int32_t> kv_long(64, 512);
+  std::vector<int32_t> q(64, 1), kv_long(64, 512);
   kv_long[0] = 16384;
   const AttentionPlan split = PlanAttention(c, q.data(), kv_long.data(), 64);
   EXPECT_GT(split.chunk_len, 0);
