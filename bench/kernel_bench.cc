@@ -17,8 +17,8 @@
 // (ignoring the kernel's fill test): with `--split_waves 1000 --waves 1000 --min_chunk 512,1024`
 // every sequence longer than the chunk is split into chunks of that many keys. --no_split_fill
 // keeps whole a plan whose CTAs keep at least that share of the slots busy to the end
-// (PlanConfig::no_split_fill) in place of the kernel's own test: with `--no_split_fill 0.9` the
-// 64-row MLA decode plans as the GQA decode does.
+// (PlanConfig::no_split_fill) in place of the kernel's own tests, one wave or more alike: with
+// `--no_split_fill 0.9` the GQA decode plans as it did before its one-wave test.
 //
 // The variant lists name kernels (KernelTiling::variant) to measure side by side on each shape of
 // their family; each shape's batch is built once for all of them.

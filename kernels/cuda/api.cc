@@ -25,6 +25,7 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   c.waves_before_split = tiling.waves_before_split;
   c.target_waves = tiling.target_waves;
   c.no_split_fill = tiling.no_split_fill;
+  c.no_split_fill_one_wave = tiling.no_split_fill_one_wave;
   c.cluster_splits = tiling.cluster_splits;
   c.causal = causal;
   c.max_partial_rows = max_partial_rows;

@@ -204,6 +204,7 @@ struct KernelTiling {
   double waves_before_split = 2.0;
   double target_waves = 4.0;  // PlanConfig::target_waves
   double no_split_fill = 0;   // PlanConfig::no_split_fill
+  double no_split_fill_one_wave = 0;  // PlanConfig::no_split_fill_one_wave
   int cluster_splits = 0;     // PlanConfig::cluster_splits: the kernel merges splits in clusters
 };
 

@@ -86,13 +86,13 @@ RowWidths MlaRowWidths(int num_heads) {
 bool LaunchPlan::PlanKey::operator==(const PlanKey& other) const {
   // PlanConfig is shared with device code (C++17: no defaulted comparison); a field added to it
   // must join the tuple.
-  static_assert(sizeof(PlanConfig) == 80, "compare PlanConfig's new field here");
+  static_assert(sizeof(PlanConfig) == 88, "compare PlanConfig's new field here");
   auto fields = [](const PlanKey& k) {
     const PlanConfig& c = k.config;
     return std::tie(k.table_id, k.mla, k.page_size, k.variant, c.group, c.num_kv_heads,
                     c.num_qo_heads, c.block_m, c.block_n, c.cta_slots, c.causal,
-                    c.waves_before_split, c.target_waves, c.no_split_fill, c.min_chunk_len,
-                    c.max_partial_rows, c.cluster_splits, k.output_chunk_bytes);
+                    c.waves_before_split, c.target_waves, c.no_split_fill, c.no_split_fill_one_wave,
+                    c.min_chunk_len, c.max_partial_rows, c.cluster_splits, k.output_chunk_bytes);
   };
   return fields(*this) == fields(other);
 }
@@ -135,8 +135,12 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   if (options.waves_before_split > 0) {
     config.waves_before_split = options.waves_before_split;
     config.no_split_fill = 0;
+    config.no_split_fill_one_wave = 0;
   }
-  if (options.no_split_fill > 0) config.no_split_fill = options.no_split_fill;
+  if (options.no_split_fill > 0) {
+    config.no_split_fill = options.no_split_fill;
+    config.no_split_fill_one_wave = 0;
+  }
   const PlanKey key{options.table_id, mla_,   page_size,
                     tiling.variant,   config, options.output_chunk_bytes};
   plan_reused_ = options.table_id != 0 && key == planned_;

@@ -108,7 +108,8 @@ struct LaunchOptions {
   // kernel's fill test).
   double waves_before_split = 0;
   // Keeps a plan unsplit that fills at least this share of the CTA slots
-  // (PlanConfig::no_split_fill), instead of the kernel's own test or waves_before_split's none.
+  // (PlanConfig::no_split_fill, one wave or more alike), instead of the kernel's own tests or
+  // waves_before_split's none.
   double no_split_fill = 0;
   // When given, the launch checks its inputs for NaN and Inf call by call (CallChecks): query
   // rows [call_rows[c], call_rows[c + 1]) are call c's, and a call with a non-finite input has

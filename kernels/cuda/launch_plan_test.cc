@@ -316,6 +316,17 @@ TEST(LaunchPlanTest, NoSplitFillOverridesTheKernels) {
   LaunchPlan split_again;
   split_again.PlanMla(cache, 16, b, o);
   EXPECT_GT(split_again.plan().chunk_len, 0);
+
+  // It stands for the kernel's one-wave test too: whole by the kernel's 75%, split at 85%.
+  o.tiling.no_split_fill_one_wave = 0.75;
+  o.no_split_fill = 0;
+  LaunchPlan one_wave;
+  one_wave.PlanMla(cache, 16, b, o);
+  EXPECT_EQ(one_wave.plan().chunk_len, 0);
+  o.no_split_fill = 0.85;
+  LaunchPlan overridden;
+  overridden.PlanMla(cache, 16, b, o);
+  EXPECT_GT(overridden.plan().chunk_len, 0);
 }
 
 // A launch over the table of the last one (LaunchOptions::table_id) keeps its plan, and its

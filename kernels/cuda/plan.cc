@@ -68,7 +68,10 @@ int ChooseChunkLen(const PlanConfig& c, const std::vector<Tile>& tiles, const in
                    const int32_t* kv_lens, int batch_size) {
   const double unsplit_ctas = static_cast<double>(tiles.size()) * c.num_kv_heads;
   if (unsplit_ctas >= c.cta_slots * c.waves_before_split) return 0;
-  if (c.no_split_fill > 0 && UnsplitFill(c, tiles) >= c.no_split_fill) return 0;
+  const double no_split_fill = unsplit_ctas <= c.cta_slots && c.no_split_fill_one_wave > 0
+                                   ? c.no_split_fill_one_wave
+                                   : c.no_split_fill;
+  if (no_split_fill > 0 && UnsplitFill(c, tiles) >= no_split_fill) return 0;
   int64_t work = 0;
   int max_visible = 0;
   for (const Tile& t : tiles) {

@@ -62,6 +62,10 @@ struct PlanConfig {
   // costs it nothing, nor do the few slots a nearly full single wave leaves idle, while a split
   // costs partial outputs and a merge.
   double no_split_fill = 0;
+  // The same test, at this lower share, for a launch that fits in one wave (0: no_split_fill's):
+  // its CTAs all run from the start, so the idle slots are idle SMs' second slots, or idle SMs,
+  // rather than a tail; a memory-bound kernel keeps most of its bandwidth there.
+  double no_split_fill_one_wave = 0;
   int min_chunk_len = 256;             // a shorter chunk costs more in merging than it gains
   int64_t max_partial_rows = 1 << 22;  // workspace capacity, in (token, head) rows
   // 0: split sequences are merged by the merge pass. n > 1: the kernel can merge the chunks of a

@@ -168,29 +168,32 @@ TEST(PlanTest, LargeDecodeBatchSplitsOnlyToFillTheGpu) {
   ExpectPlanCovers(c, whole, q2, kv2);
 }
 
+// `batch` sequences of `keys` keys each, one query token: planned whole.
+void ExpectWhole(const PlanConfig& c, int batch, int keys) {
+  std::vector<int32_t> q(batch, 1), kv(batch, keys);
+  const AttentionPlan whole = PlanAttention(c, q.data(), kv.data(), batch);
+  EXPECT_EQ(whole.chunk_len, 0) << batch << " x " << keys;
+  EXPECT_TRUE(whole.merges.empty());
+  ExpectPlanCovers(c, whole, q, kv);
+}
+
+// The chunk length of the same decode's plan (0: whole).
+int ChunkLen(const PlanConfig& c, int batch, int keys) {
+  std::vector<int32_t> q(batch, 1), kv(batch, keys);
+  return PlanAttention(c, q.data(), kv.data(), batch).chunk_len;
+}
+
 TEST(PlanTest, FullWavesStayUnsplitWhenTheKernelSaysSo) {
   PlanConfig c = DecodeConfig(4, 8);
   c.no_split_fill = 0.9;
-  // `batch` sequences of `keys` keys each, one query token: planned whole, or split.
-  auto expect_whole = [&](int batch, int keys) {
-    std::vector<int32_t> q(batch, 1), kv(batch, keys);
-    const AttentionPlan whole = PlanAttention(c, q.data(), kv.data(), batch);
-    EXPECT_EQ(whole.chunk_len, 0);
-    EXPECT_TRUE(whole.merges.empty());
-    ExpectPlanCovers(c, whole, q, kv);
-  };
-  auto chunk_len = [&](int batch, int keys) {
-    std::vector<int32_t> q(batch, 1), kv(batch, keys);
-    return PlanAttention(c, q.data(), kv.data(), batch).chunk_len;
-  };
   // 64 x 4096 at 32/8 heads: 512 CTAs keep 97% of 2 waves of 264 slots busy.
-  expect_whole(64, 4096);
+  ExpectWhole(c, 64, 4096);
   // 37 sequences: 296 CTAs leave the second wave nearly empty (56% busy): split.
-  EXPECT_GT(chunk_len(37, 4096), 0);
+  EXPECT_GT(ChunkLen(c, 37, 4096), 0);
   // 32 x 8192: 256 CTAs keep 97% of one wave busy, the same bytes as 64 x 4096: no split either.
-  expect_whole(32, 8192);
+  ExpectWhole(c, 32, 8192);
   // 28 x 8192: 224 CTAs keep 85% of the wave busy: split.
-  EXPECT_GT(chunk_len(28, 8192), 0);
+  EXPECT_GT(ChunkLen(c, 28, 8192), 0);
 
   // As many CTAs as the first case, but one sequence of 16384 keys among short ones: its 8 CTAs
   // would run alone long after the rest (9% busy): split.
@@ -199,6 +202,46 @@ TEST(PlanTest, FullWavesStayUnsplitWhenTheKernelSaysSo) {
   const AttentionPlan split = PlanAttention(c, q.data(), kv_long.data(), 64);
   EXPECT_GT(split.chunk_len, 0);
   ExpectPlanCovers(c, split, q, kv_long);
+}
+
+// The GQA decode's settings (kernels/cuda/gqa_decode.cu): a launch within one wave stays whole
+// down to 70% of the slots busy, a longer one down to 90%.
+TEST(PlanTest, OneWaveStaysUnsplitAtALowerFill) {
+  PlanConfig c = DecodeConfig(4, 8);
+  c.no_split_fill = 0.9;
+  c.no_split_fill_one_wave = 0.7;
+  ExpectWhole(c, 28, 8192);             // 224 CTAs of 264: 85%
+  ExpectWhole(c, 24, 8192);             // 192: 73%
+  ExpectWhole(c, 32, 8192);             // 97%, as before
+  ExpectWhole(c, 64, 4096);             // two waves, 97%
+  EXPECT_GT(ChunkLen(c, 16, 8192), 0);  // 128 CTAs: 48%
+  EXPECT_GT(ChunkLen(c, 48, 4096), 0);  // 384 CTAs, 1.45 waves: 73% is not enough past one wave
+  EXPECT_GT(ChunkLen(c, 40, 4096), 0);  // 320: 61%
+
+  // Without a one-wave share, no_split_fill decides there too.
+  c.no_split_fill_one_wave = 0;
+  EXPECT_GT(ChunkLen(c, 24, 8192), 0);
+  EXPECT_GT(ChunkLen(c, 28, 8192), 0);
+}
+
+// The 64-row MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, Traits): 128 heads in two
+// 64-row items a sequence, one CTA per SM of 132; a launch of a full wave never splits.
+TEST(PlanTest, NearlyFullWaveOfMlaDecodeStaysWhole) {
+  PlanConfig c;
+  c.group = 128;
+  c.num_qo_heads = 128;
+  c.block_m = 64;
+  c.block_n = 64;
+  c.cta_slots = 132;
+  c.causal = false;
+  c.waves_before_split = 1.0;
+  c.min_chunk_len = 1024;
+  c.no_split_fill = 0.9;
+  ExpectWhole(c, 64, 4096);                // 128 CTAs: 97%
+  ExpectWhole(c, 128, 4096);               // 256: two waves
+  EXPECT_EQ(ChunkLen(c, 32, 4096), 1024);  // 64 CTAs: 48%, split into 256 CTAs
+  c.no_split_fill = 0;
+  EXPECT_EQ(ChunkLen(c, 64, 4096), 1024);  // what it planned before: 512 CTAs and a merge
 }
 
 // The transposed MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, NarrowTraits): 16 heads in
