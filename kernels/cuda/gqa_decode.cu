@@ -308,11 +308,11 @@ cudaError_t Tiling(KernelTiling* tiling) {
   // chunks at page size 1 on the H200, and 32 x 8192 (256 CTAs, 0.97 of a wave) 361 us unsplit
   // and 383 us in 2048-key chunks on an H100 (bench/RESULTS.md).
   tiling->no_split_fill = 0.9;
-  // Within one wave a lower share holds (32/8, page 16, H200): 24 x 8192 (192 CTAs on 264 slots,
-  // 0.73) ran 212 us unsplit and 218 in 1536-key chunks, 28 x 8192 (0.85) 244 and 247, 16 x 8192
-  // (0.48) 152 and 151; past one wave 48 x 4096 (1.45 waves, 0.73) lost 1.5% unsplit, 40 x 4096
-  // (0.61) 13%.
-  tiling->no_split_fill_one_wave = 0.7;
+  // Within one wave a lower share holds (32/8, page 16): 28 x 8192 (224 CTAs on 264 slots,
+  // 0.85) ran 1.4% faster unsplit than in 1792-key chunks on the H200, 0.7% on an H100; 24 x 8192
+  // (0.73) 2.5% faster on the H200 but 2% slower on the H100, so it stays split; past one wave
+  // 48 x 4096 (1.45 waves, 0.73) lost 1.4% unsplit, 40 x 4096 (0.61) 13%.
+  tiling->no_split_fill_one_wave = 0.8;
   return DescribeKernel(GqaDecodeKernel<kHeadDim, kKernel>, kThreads, T::kSmemBytes, kBlockM,
                         kBlockN, tiling);
 }

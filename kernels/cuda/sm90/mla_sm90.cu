@@ -1253,11 +1253,14 @@ struct Config {
       tiling->min_chunk_len = 1024;
       // One CTA per SM, each streaming a whole sequence: a decode of 128 heads x 128 sequences
       // is 256 CTAs, two full waves, which splitting would only cut into more waves plus a
-      // merge. Nor is a nearly full single wave worth splitting: 64 sequences (128 CTAs on 132
-      // SMs) ran 135 us whole and 190 us as 512 CTAs of 1024-key chunks (H200).
+      // merge. Nor is most of one wave worth splitting: 64 sequences (128 CTAs on 132 SMs) ran
+      // 135 us whole and 190 us as 512 CTAs of 1024-key chunks on the H200, 48 (96 CTAs, 0.73)
+      // 134 us whole and 166 us in 1024-key chunks on an H100; 32 (0.48) ran 129 us whole and
+      // 113 us split (bench/RESULTS.md).
       if (decode) {
         tiling->waves_before_split = 1.0;
         tiling->no_split_fill = 0.9;
+        tiling->no_split_fill_one_wave = 0.7;
       }
     }
     return DescribeKernel(kKernel, T::kThreads, T::kSmemBytes, T::kBlockM, T::kBlockN, tiling);
