@@ -302,31 +302,25 @@ TEST(LaunchPlanTest, NoSplitFillOverridesTheKernels) {
   o.tiling = Tiling(16, 5);
   o.max_partial_rows = 1 << 20;
   const MlaCache cache{nullptr, 1, 64, 64};
-  LaunchPlan split;
-  split.PlanMla(cache, 16, b, o);
-  EXPECT_GT(split.plan().chunk_len, 0);
-
+  // The chunk length of o's plan (0: whole, and then no merges).
+  auto chunk_len = [&] {
+    LaunchPlan plan;
+    plan.PlanMla(cache, 16, b, o);
+    EXPECT_EQ(plan.plan().chunk_len == 0, plan.plan().merges.empty());
+    return plan.plan().chunk_len;
+  };
+  EXPECT_GT(chunk_len(), 0);
   o.no_split_fill = 0.75;
-  LaunchPlan whole;
-  whole.PlanMla(cache, 16, b, o);
-  EXPECT_EQ(whole.plan().chunk_len, 0);
-  EXPECT_TRUE(whole.plan().merges.empty());
-
+  EXPECT_EQ(chunk_len(), 0);
   o.no_split_fill = 0.85;  // above the 80% the four CTAs keep busy
-  LaunchPlan split_again;
-  split_again.PlanMla(cache, 16, b, o);
-  EXPECT_GT(split_again.plan().chunk_len, 0);
+  EXPECT_GT(chunk_len(), 0);
 
   // It stands for the kernel's one-wave test too: whole by the kernel's 75%, split at 85%.
   o.tiling.no_split_fill_one_wave = 0.75;
   o.no_split_fill = 0;
-  LaunchPlan one_wave;
-  one_wave.PlanMla(cache, 16, b, o);
-  EXPECT_EQ(one_wave.plan().chunk_len, 0);
+  EXPECT_EQ(chunk_len(), 0);
   o.no_split_fill = 0.85;
-  LaunchPlan overridden;
-  overridden.PlanMla(cache, 16, b, o);
-  EXPECT_GT(overridden.plan().chunk_len, 0);
+  EXPECT_GT(chunk_len(), 0);
 }
 
 // A launch over the table of the last one (LaunchOptions::table_id) keeps its plan, and its

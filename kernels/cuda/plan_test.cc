@@ -223,18 +223,33 @@ TEST(PlanTest, OneWaveStaysUnsplitAtALowerFill) {
   EXPECT_GT(ChunkLen(c, 28, 8192), 0);
 }
 
-// The 64-row MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, Traits): 128 heads in two
-// 64-row items a sequence, one CTA per SM of 132; a launch of a full wave never splits, one
-// within it not from 70% of the SMs busy.
-TEST(PlanTest, MostOfAWaveOfMlaDecodeStaysWhole) {
+// The Hopper MLA decodes' common settings: `heads` query heads over one latent KV head,
+// `block_m` packed rows a CTA, one CTA per SM of 132, no split once a launch fills a wave.
+PlanConfig MlaDecodeConfig(int heads, int block_m) {
   PlanConfig c;
-  c.group = 128;
-  c.num_qo_heads = 128;
-  c.block_m = 64;
+  c.group = heads;
+  c.num_qo_heads = heads;
+  c.block_m = block_m;
   c.block_n = 64;
   c.cta_slots = 132;
   c.causal = false;
   c.waves_before_split = 1.0;
+  return c;
+}
+
+// The transposed MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, NarrowTraits): 16 heads in
+// one 16-row item per sequence, target_waves 1, 512-key chunks at least.
+PlanConfig NarrowMlaDecodeConfig() {
+  PlanConfig c = MlaDecodeConfig(16, 16);
+  c.target_waves = 1.0;
+  c.min_chunk_len = 512;
+  return c;
+}
+
+// The 64-row MLA decode's settings (Traits): 128 heads in two 64-row items a sequence; a launch
+// within one wave stays whole from 70% of the SMs busy.
+TEST(PlanTest, MostOfAWaveOfMlaDecodeStaysWhole) {
+  PlanConfig c = MlaDecodeConfig(128, 64);
   c.min_chunk_len = 1024;
   c.no_split_fill = 0.9;
   c.no_split_fill_one_wave = 0.7;
@@ -245,22 +260,6 @@ TEST(PlanTest, MostOfAWaveOfMlaDecodeStaysWhole) {
   c.no_split_fill = 0;
   c.no_split_fill_one_wave = 0;
   EXPECT_EQ(ChunkLen(c, 64, 4096), 1024);  // what it planned before: 512 CTAs and a merge
-}
-
-// The transposed MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, NarrowTraits): 16 heads in
-// one 16-row item per sequence, one CTA per SM of 132, target_waves 1, 512-key chunks at least.
-PlanConfig NarrowMlaDecodeConfig() {
-  PlanConfig c;
-  c.group = 16;
-  c.num_qo_heads = 16;
-  c.block_m = 16;
-  c.block_n = 64;
-  c.cta_slots = 132;
-  c.causal = false;
-  c.waves_before_split = 1.0;
-  c.target_waves = 1.0;
-  c.min_chunk_len = 512;
-  return c;
 }
 
 TEST(PlanTest, OneWaveTargetSplitsIntoAboutOneWave) {
