@@ -49,27 +49,33 @@ setup_venv() {
 }
 
 # build [cmake --build args]: configures and builds preset $PRESET. It holds build/.$PRESET.lock
-# meanwhile, so it first waits for a build of the same preset in progress (background_builds).
+# meanwhile, so it first waits for a build of the same preset in progress (background_builds),
+# and shows that build's output.
 build() {
   log "configuring and building (preset $PRESET)"
   mkdir -p "$ROOT/build"
   (
     flock 9
+    local background="$ROOT/build/.$PRESET.background.log"
+    if [ -f "$background" ]; then
+      cat "$background"
+      rm -f "$background"
+    fi
     cmake --preset "$PRESET" -S "$ROOT" >/dev/null
     cmake --build --preset "$PRESET" "$@"
   ) 9>"$ROOT/build/.$PRESET.lock"
 }
 
 # background_builds PRESET[:JOBS]...: builds the presets one after the other in the background at
-# the lowest CPU priority, into build/background-builds.log, so that they use the CPU the tests
-# leave idle (the end-to-end suites wait on their servers most of the time) and yield it to them
-# otherwise. Returns once it holds every preset's lock: a later `build` of one of them waits for
-# it, then finds nothing left to do. A failed build is only logged there: that `build` then
-# builds again in the foreground and shows the errors. stop_background_builds ends it (an EXIT
-# trap, for a run that fails before it has waited for every preset).
+# the lowest CPU priority, so that they use the CPU the tests leave idle (the end-to-end suites
+# wait on their servers most of the time) and yield it to them otherwise. Returns once it holds
+# every preset's lock: a later `build` of one of them waits for it, shows its output (kept in
+# build/.PRESET.background.log meanwhile) and finds nothing left to do; after a failed one, that
+# `build` builds again and shows the errors. stop_background_builds ends it (an EXIT trap, for a
+# run that fails before it has waited for every preset).
 background_builds() {
   mkdir -p "$ROOT/build"
-  local logfile="$ROOT/build/background-builds.log" ready
+  local ready
   ready=$(mktemp -u)
   mkfifo "$ready"
   set -m  # its own process group, for stop_background_builds
@@ -85,21 +91,23 @@ background_builds() {
       spec=${*:i+1:1} t=$SECONDS
       preset=${spec%%:*} jobs=()
       [ "$preset" = "$spec" ] || jobs=(-j "${spec#*:}")
-      if nice -n 19 cmake --preset "$preset" -S "$ROOT" >/dev/null &&
-        nice -n 19 cmake --build --preset "$preset" "${jobs[@]}"; then
-        log "background: preset $preset built in $((SECONDS - t)) s"
-      else
-        log "background: preset $preset FAILED after $((SECONDS - t)) s"
-      fi
+      {
+        if nice -n 19 cmake --preset "$preset" -S "$ROOT" >/dev/null &&
+          nice -n 19 cmake --build --preset "$preset" "${jobs[@]}"; then
+          log "preset $preset built in the background in $((SECONDS - t)) s"
+        else
+          log "preset $preset FAILED in the background after $((SECONDS - t)) s"
+        fi
+      } >"$ROOT/build/.$preset.background.log" 2>&1
       fd=${fds[i]}
       exec {fd}>&-  # releases the lock
     done
-  ) </dev/null >"$logfile" 2>&1 &
+  ) </dev/null >/dev/null 2>&1 &
   BACKGROUND_BUILDS=$!
   set +m
   read -r <"$ready"
   rm -f "$ready"
-  log "building ${*%%:*} in the background (log: ${logfile#"$ROOT"/})"
+  log "building ${*%%:*} in the background"
 }
 
 stop_background_builds() {
