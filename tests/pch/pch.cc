@@ -1,2 +1,2 @@
-// The translation unit that compiles the precompiled headers of tests/CMakeLists.txt; it defines
-// nothing itself.
+// The translation unit that compiles the precompiled headers of tests/pch/CMakeLists.txt; it
+// defines nothing itself.
