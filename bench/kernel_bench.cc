@@ -6,8 +6,8 @@
 //
 //   kernel_bench [--json FILE] [--filter REGEX] [--runs N] [--prefill_variants 0,26]
 //                [--mla_variants 0,41] [--decode_variants 0,1] [--min_chunk KEYS] [--waves W]
-//                [--split_waves W] [--no_split_fill F] [--sequential_pages] [--stamps DIR]
-//                [--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]
+//                [--split_waves W] [--no_split_fill F] [--sequential_pages] [--page_size P]
+//                [--stamps DIR] [--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]
 //
 // --filter keeps the shapes whose name the regular expression (ECMAScript) matches a part of, so
 // one start (~20 s of setup on the H200) can measure several families: 'gqa_prefill|seed_'.
@@ -24,7 +24,9 @@
 // their family; each shape's batch is built once for all of them.
 //
 // --sequential_pages hands every sequence contiguous pages instead of shuffled ones: the
-// difference is what scattered page reads cost a kernel.
+// difference is what scattered page reads cost a kernel. --page_size P runs every selected shape
+// on pages of P keys instead of its own (named <shape>_at_p<P>): the page-1 MLA seed at page 64
+// is its queries and keys on the page-64 prefill's key tiles.
 //
 // --decode_shapes adds head_dim-128 GQA decodes of the given heads (32/8 unless named), batch,
 // keys and page size, named gqa_decode_<QO>/<KV>_b<B>x<KEYS>_p<PAGE> like the standard ones, which
@@ -302,6 +304,7 @@ int Main(int argc, char** argv) {
   std::string json, filter, stamps_dir;
   int runs = 30;
   bool shuffle_pages = true;
+  int page_size = 0;  // 0: each shape's own
   std::vector<int> variants{-1}, mla_variants{-1}, decode_variants{-1};
   auto parse_list = [](const char* arg) {
     std::vector<int> list;
@@ -322,6 +325,8 @@ int Main(int argc, char** argv) {
       runs = std::atoi(argv[++i]);
     else if (a == "--sequential_pages")
       shuffle_pages = false;
+    else if (a == "--page_size" && i + 1 < argc)
+      page_size = std::atoi(argv[++i]);
     else if (a == "--stamps" && i + 1 < argc)
       stamps_dir = argv[++i];
     else if (a == "--min_chunk" && i + 1 < argc)
@@ -351,12 +356,12 @@ int Main(int argc, char** argv) {
         all_shapes.push_back(*shape);
       }
     } else {
-      std::fprintf(
-          stderr,
-          "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
-          "[--prefill_variants 0,26] [--mla_variants 0,41] [--decode_variants 0,1] "
-          "[--min_chunk KEYS] [--waves W] [--split_waves W] [--no_split_fill F] "
-          "[--sequential_pages] [--stamps DIR] [--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]\n");
+      std::fprintf(stderr,
+                   "usage: kernel_bench [--json FILE] [--filter REGEX] [--runs N] "
+                   "[--prefill_variants 0,26] [--mla_variants 0,41] [--decode_variants 0,1] "
+                   "[--min_chunk KEYS] [--waves W] [--split_waves W] [--no_split_fill F] "
+                   "[--sequential_pages] [--page_size P] [--stamps DIR] "
+                   "[--decode_shapes [QO/KV:|mlaH:]BxKEYSpPAGE,...]\n");
       return 2;
     }
   }
@@ -376,8 +381,13 @@ int Main(int argc, char** argv) {
   std::printf("%-40s %10s %8s %7s %7s %7s %6s\n", "shape", "median_us", "TFLOP/s", "TB/s",
               "of_copy", "items", "chunk");
   std::vector<Shape> shapes;
-  for (const Shape& s : all_shapes) {
-    if (filter.empty() || std::regex_search(s.name, std::regex(filter))) shapes.push_back(s);
+  for (Shape s : all_shapes) {
+    if (!filter.empty() && !std::regex_search(s.name, std::regex(filter))) continue;
+    if (page_size > 0) {
+      s.page_size = page_size;
+      s.name += "_at_p" + std::to_string(page_size);
+    }
+    shapes.push_back(s);
   }
   // The host batches of the next kBuildAhead shapes are built on threads of their own (a 1 GiB
   // cache takes seconds to fill) while the GPU measures the current one; few enough that the
