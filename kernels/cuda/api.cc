@@ -26,6 +26,9 @@ PlanConfig BaseConfig(const KernelTiling& tiling, int64_t max_partial_rows, bool
   c.target_waves = tiling.target_waves;
   c.no_split_fill = tiling.no_split_fill;
   c.no_split_fill_one_wave = tiling.no_split_fill_one_wave;
+  c.cta_start_keys = tiling.cta_start_keys;
+  c.merge_keys = tiling.merge_keys;
+  c.merge_keys_per_row = tiling.merge_keys_per_row;
   c.cluster_splits = tiling.cluster_splits;
   c.causal = causal;
   c.max_partial_rows = max_partial_rows;

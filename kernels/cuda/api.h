@@ -205,6 +205,10 @@ struct KernelTiling {
   double target_waves = 4.0;  // PlanConfig::target_waves
   double no_split_fill = 0;   // PlanConfig::no_split_fill
   double no_split_fill_one_wave = 0;  // PlanConfig::no_split_fill_one_wave
+  // PlanConfig's cost model of a split (cta_start_keys 0: off).
+  double cta_start_keys = 0;
+  double merge_keys = 0;
+  double merge_keys_per_row = 0;
   int cluster_splits = 0;     // PlanConfig::cluster_splits: the kernel merges splits in clusters
 };
 

@@ -86,13 +86,14 @@ RowWidths MlaRowWidths(int num_heads) {
 bool LaunchPlan::PlanKey::operator==(const PlanKey& other) const {
   // PlanConfig is shared with device code (C++17: no defaulted comparison); a field added to it
   // must join the tuple.
-  static_assert(sizeof(PlanConfig) == 88, "compare PlanConfig's new field here");
+  static_assert(sizeof(PlanConfig) == 112, "compare PlanConfig's new field here");
   auto fields = [](const PlanKey& k) {
     const PlanConfig& c = k.config;
     return std::tie(k.table_id, k.mla, k.page_size, k.variant, c.group, c.num_kv_heads,
                     c.num_qo_heads, c.block_m, c.block_n, c.cta_slots, c.causal,
                     c.waves_before_split, c.target_waves, c.no_split_fill, c.no_split_fill_one_wave,
-                    c.min_chunk_len, c.max_partial_rows, c.cluster_splits, k.output_chunk_bytes);
+                    c.cta_start_keys, c.merge_keys, c.merge_keys_per_row, c.min_chunk_len,
+                    c.max_partial_rows, c.cluster_splits, k.output_chunk_bytes);
   };
   return fields(*this) == fields(other);
 }
@@ -131,6 +132,10 @@ void LaunchPlan::Plan(const PagedBatch& batch, int page_size, PlanConfig config,
   num_sms_ = tiling.num_sms;
   const int n = batch.batch_size;
   if (options.min_chunk_len > 0) config.min_chunk_len = options.min_chunk_len;
+  // An override of the split tests plans by them, not by the kernel's cost model.
+  if (options.target_waves > 0 || options.waves_before_split > 0 || options.no_split_fill > 0) {
+    config.cta_start_keys = 0;
+  }
   if (options.target_waves > 0) config.target_waves = options.target_waves;
   if (options.waves_before_split > 0) {
     config.waves_before_split = options.waves_before_split;

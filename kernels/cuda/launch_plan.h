@@ -101,7 +101,9 @@ struct LaunchOptions {
   // The split-KV workspace's capacity, in (token, head) rows (WorkspaceBytes() <= capacity *
   // (out_dim + 1) * 4 bytes).
   int64_t max_partial_rows = 0;
-  // Planner settings to override (benchmarks sweep them); 0 keeps the kernel's own.
+  // Planner settings to override (benchmarks sweep them); 0 keeps the kernel's own. Any of the
+  // last three plans by the split tests, not by a kernel's cost model (KernelTiling's
+  // cta_start_keys).
   int min_chunk_len = 0;
   double target_waves = 0;
   // Splits keys whenever the unsplit plan has fewer CTAs than this many waves (and ignores the

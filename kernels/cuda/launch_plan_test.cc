@@ -53,6 +53,15 @@ PagedBatch DecodeView(const std::vector<int32_t>& kv_indptr,
   return b;
 }
 
+// Four decodes of 1024 keys each on pages of 64 (16 pages a sequence, in order).
+struct FourDecodes {
+  std::vector<int32_t> kv_indptr{0, 16, 32, 48, 64}, kv_indices, last{64, 64, 64, 64};
+  FourDecodes() {
+    for (int i = 0; i < 64; ++i) kv_indices.push_back(i);
+  }
+  PagedBatch View() const { return DecodeView(kv_indptr, kv_indices, last); }
+};
+
 // Two prefill sequences (3 tokens on 20 keys, 5 on 5), page size 4, 8/2 heads of 64.
 struct GqaBatch {
   std::vector<int32_t> qo_indptr{0, 3, 8};
@@ -270,9 +279,8 @@ TEST(LaunchPlanTest, MlaDecodeSplitsIntoTheWorkspace) {
 // kernel's own settings, and is cut into chunks of min_chunk_len keys once waves_before_split
 // exceeds its waves.
 TEST(LaunchPlanTest, WavesBeforeSplitOverridesTheSplitDecision) {
-  std::vector<int32_t> kv_indptr{0, 16, 32, 48, 64}, kv_indices(64), last{64, 64, 64, 64};
-  for (int i = 0; i < 64; ++i) kv_indices[i] = i;
-  const PagedBatch b = DecodeView(kv_indptr, kv_indices, last);
+  const FourDecodes t;
+  const PagedBatch b = t.View();
   LaunchOptions o;
   o.tiling = Tiling(16, 2);  // 4 sequences, 2 CTA slots: two waves, not split
   o.max_partial_rows = 1 << 20;
@@ -295,9 +303,8 @@ TEST(LaunchPlanTest, WavesBeforeSplitOverridesTheSplitDecision) {
 // The benchmarks' override of the fill test: 4 sequences on 5 CTA slots split by the kernel's
 // own settings (fewer than two waves, no fill test), and stay whole once 80% of one wave is enough.
 TEST(LaunchPlanTest, NoSplitFillOverridesTheKernels) {
-  std::vector<int32_t> kv_indptr{0, 16, 32, 48, 64}, kv_indices(64), last{64, 64, 64, 64};
-  for (int i = 0; i < 64; ++i) kv_indices[i] = i;
-  const PagedBatch b = DecodeView(kv_indptr, kv_indices, last);
+  const FourDecodes t;
+  const PagedBatch b = t.View();
   LaunchOptions o;
   o.tiling = Tiling(16, 5);
   o.max_partial_rows = 1 << 20;
@@ -320,6 +327,36 @@ TEST(LaunchPlanTest, NoSplitFillOverridesTheKernels) {
   o.no_split_fill = 0;
   EXPECT_EQ(chunk_len(), 0);
   o.no_split_fill = 0.85;
+  EXPECT_GT(chunk_len(), 0);
+}
+
+// A kernel's cost model (KernelTiling::cta_start_keys) plans where no split test is overridden;
+// an override of any of them plans by the tests alone. 4 sequences of 1024 keys on 4 slots: one
+// wave whole, which the model keeps (a split adds CTA starts and a merge and ends no sooner).
+TEST(LaunchPlanTest, SplitOverridesTurnOffTheCostModel) {
+  const FourDecodes t;
+  const PagedBatch b = t.View();
+  LaunchOptions o;
+  o.tiling = Tiling(16, 4);
+  o.tiling.waves_before_split = 2.0;  // the tests alone split a launch of one wave
+  o.tiling.cta_start_keys = 100;
+  o.tiling.merge_keys = 400;
+  o.tiling.merge_keys_per_row = 0.1;
+  o.max_partial_rows = 1 << 20;
+  const MlaCache cache{nullptr, 1, 64, 64};
+  auto chunk_len = [&] {
+    LaunchPlan plan;
+    plan.PlanMla(cache, 16, b, o);
+    return plan.plan().chunk_len;
+  };
+  EXPECT_EQ(chunk_len(), 0);
+  o.target_waves = 4;
+  EXPECT_GT(chunk_len(), 0);
+  o.target_waves = 0;
+  o.no_split_fill = 0.5;  // the four CTAs keep all four slots busy
+  EXPECT_EQ(chunk_len(), 0);
+  o.no_split_fill = 0;
+  o.waves_before_split = 2.0;
   EXPECT_GT(chunk_len(), 0);
 }
 

@@ -128,27 +128,19 @@ AttentionPlan PlanClusters(const PlanConfig& c, std::vector<Tile> tiles, int bat
   return plan;
 }
 
-}  // namespace
-
-AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const int32_t* kv_lens,
-                            int batch_size) {
+// The items of a plan that cuts every sequence into chunks of chunk_len keys (0: none), chunk-major
+// within a sequence, so CTAs that run side by side read the same keys (L2), and then its merges;
+// the sequences longest first (LongestFirst).
+AttentionPlan PlanChunks(const PlanConfig& c, const std::vector<Tile>& tiles, const int32_t* q_lens,
+                         const int32_t* kv_lens, int batch_size, int chunk_len) {
   AttentionPlan plan;
-  std::vector<Tile> tiles = MakeTiles(c, q_lens, kv_lens, batch_size);
-  plan.chunk_len = ChooseChunkLen(c, tiles, q_lens, kv_lens, batch_size);
-  if (plan.chunk_len > 0 && c.cluster_splits > 1) {
-    int max_visible = 0;
-    for (const Tile& t : tiles) max_visible = std::max(max_visible, t.visible);
-    const int splits = static_cast<int>(CeilDiv(max_visible, plan.chunk_len));
-    if (splits <= c.cluster_splits) return PlanClusters(c, std::move(tiles), batch_size, splits);
-  }
-
-  // Items chunk-major within a sequence, so CTAs that run side by side read the same keys (L2).
+  plan.chunk_len = chunk_len;
   int32_t q_begin = 0;
   size_t t = 0;
   for (int b = 0; b < batch_size; ++b) {
     const size_t first_tile = t;
     while (t < tiles.size() && tiles[t].seq == b) ++t;
-    const int splits = plan.chunk_len ? static_cast<int>(CeilDiv(kv_lens[b], plan.chunk_len)) : 1;
+    const int splits = chunk_len ? static_cast<int>(CeilDiv(kv_lens[b], chunk_len)) : 1;
     if (splits <= 1) {
       for (size_t i = first_tile; i < t; ++i) {
         plan.items.push_back({b, tiles[i].row_begin, 0, tiles[i].visible, -1});
@@ -157,17 +149,16 @@ AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const in
       const int32_t base = static_cast<int32_t>(plan.partial_rows);
       const int32_t stride = q_lens[b] * c.num_qo_heads;
       for (int s = 0; s < splits; ++s) {
-        const int begin = s * plan.chunk_len;
+        const int begin = s * chunk_len;
         for (size_t i = first_tile; i < t; ++i) {
           if (tiles[i].visible <= begin) continue;  // no row of the tile sees this chunk
           plan.items.push_back({b, tiles[i].row_begin, begin,
-                                std::min(begin + plan.chunk_len, tiles[i].visible),
-                                base + s * stride});
+                                std::min(begin + chunk_len, tiles[i].visible), base + s * stride});
         }
       }
       for (int i = 0; i < q_lens[b]; ++i) {
         const int visible = VisibleKeys(q_lens[b], kv_lens[b], i, c.causal);
-        const int splits_seen = static_cast<int>(CeilDiv(visible, plan.chunk_len));
+        const int splits_seen = static_cast<int>(CeilDiv(visible, chunk_len));
         plan.merges.push_back({q_begin + i, base + i * c.num_qo_heads, stride, splits_seen});
         plan.max_splits = std::max(plan.max_splits, splits_seen);
       }
@@ -185,6 +176,105 @@ AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const in
                      return order(a.seq, a.kv_end - a.kv_begin, b.seq, b.kv_end - b.kv_begin);
                    });
   return plan;
+}
+
+// A plan's time under PlanConfig's cost model (cta_start_keys, merge_keys, merge_keys_per_row):
+// its CTAs in launch order, each on the slot that frees up first, then the merge.
+double ModeledTime(const PlanConfig& c, const AttentionPlan& plan) {
+  std::vector<double> free_at(c.cta_slots, 0.0);  // a min-heap of the slots' end times
+  const auto later = std::greater<double>();
+  double makespan = 0;
+  for (const WorkItem& w : plan.items) {
+    for (int h = 0; h < c.num_kv_heads; ++h) {
+      std::pop_heap(free_at.begin(), free_at.end(), later);
+      free_at.back() += (w.kv_end - w.kv_begin) + c.cta_start_keys;
+      makespan = std::max(makespan, free_at.back());
+      std::push_heap(free_at.begin(), free_at.end(), later);
+    }
+  }
+  if (plan.merges.empty()) return makespan;
+  return makespan + c.merge_keys + c.merge_keys_per_row * static_cast<double>(plan.partial_rows);
+}
+
+// Most waves of CTAs a modeled split may have: past a few waves more chunks shorten no slot's
+// work, and the merge only grows.
+constexpr int kMaxModeledWaves = 8;
+
+// The plan PlanConfig's cost model chooses: the whole plan, or the fastest of those that cut
+// sequences into chunks of about max_visible / n keys, n = 2, 3, ... Each candidate has a bound
+// from its totals, which its modeled time cannot beat: its CTAs' keys and starts spread over
+// every slot, or its longest CTA, whichever is longer, plus its merge. Candidates are built and
+// timed in the order of their bounds until the next bound reaches the best time (of equal times,
+// the one of fewer chunks is kept).
+AttentionPlan PlanByCost(const PlanConfig& c, const std::vector<Tile>& tiles, const int32_t* q_lens,
+                         const int32_t* kv_lens, int batch_size) {
+  int max_visible = 0;
+  double keys = 0;
+  for (const Tile& t : tiles) {
+    max_visible = std::max(max_visible, t.visible);
+    keys += t.visible;
+  }
+  AttentionPlan best = PlanChunks(c, tiles, q_lens, kv_lens, batch_size, 0);
+  double best_time = ModeledTime(c, best);
+  struct Candidate {
+    double bound;
+    int chunk;
+  };
+  std::vector<Candidate> candidates;
+  const int64_t min_chunk = std::max<int64_t>(CeilDiv(c.min_chunk_len, c.block_n), 1) * c.block_n;
+  const int64_t max_ctas = int64_t{kMaxModeledWaves} * c.cta_slots;
+  int64_t last_chunk = max_visible;
+  for (int n = 2; n <= kMaxSplits; ++n) {
+    const int64_t chunk = CeilDiv(CeilDiv(max_visible, n), c.block_n) * c.block_n;
+    if (chunk < min_chunk) break;
+    if (chunk >= last_chunk) continue;  // the same whole key tiles as n - 1's
+    last_chunk = chunk;
+    int64_t ctas = 0;
+    for (const Tile& t : tiles) ctas += CeilDiv(t.visible, chunk);
+    ctas *= c.num_kv_heads;
+    const int64_t partial_rows =
+        PartialRows(c, q_lens, kv_lens, batch_size, static_cast<int>(chunk));
+    // Narrower chunks only make more CTAs and partial rows.
+    if (ctas > max_ctas || partial_rows > c.max_partial_rows) break;
+    const double spread =
+        (keys * c.num_kv_heads + static_cast<double>(ctas) * c.cta_start_keys) / c.cta_slots;
+    const double merge = c.merge_keys + c.merge_keys_per_row * static_cast<double>(partial_rows);
+    // The spread and the merge only grow with n: no later candidate beats the whole plan.
+    if (spread + merge >= best_time) break;
+    const double bound = std::max(spread, static_cast<double>(chunk) + c.cta_start_keys) + merge;
+    candidates.push_back({bound, static_cast<int>(chunk)});
+  }
+  // Lowest bound first; of equal bounds, longer chunks (fewer of them) first.
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return a.bound != b.bound ? a.bound < b.bound : a.chunk > b.chunk;
+  });
+  for (const Candidate& candidate : candidates) {
+    if (candidate.bound >= best_time) break;
+    AttentionPlan plan = PlanChunks(c, tiles, q_lens, kv_lens, batch_size, candidate.chunk);
+    const double time = ModeledTime(c, plan);
+    if (time < best_time ||
+        (time == best_time && candidate.chunk > best.chunk_len && best.chunk_len > 0)) {
+      best_time = time;
+      best = std::move(plan);
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+AttentionPlan PlanAttention(const PlanConfig& c, const int32_t* q_lens, const int32_t* kv_lens,
+                            int batch_size) {
+  std::vector<Tile> tiles = MakeTiles(c, q_lens, kv_lens, batch_size);
+  if (c.cta_start_keys > 0) return PlanByCost(c, tiles, q_lens, kv_lens, batch_size);
+  const int chunk_len = ChooseChunkLen(c, tiles, q_lens, kv_lens, batch_size);
+  if (chunk_len > 0 && c.cluster_splits > 1) {
+    int max_visible = 0;
+    for (const Tile& t : tiles) max_visible = std::max(max_visible, t.visible);
+    const int splits = static_cast<int>(CeilDiv(max_visible, chunk_len));
+    if (splits <= c.cluster_splits) return PlanClusters(c, std::move(tiles), batch_size, splits);
+  }
+  return PlanChunks(c, tiles, q_lens, kv_lens, batch_size, chunk_len);
 }
 
 }  // namespace attn

@@ -66,6 +66,17 @@ struct PlanConfig {
   // its CTAs all run from the start, so the idle slots are idle SMs' second slots, or idle SMs,
   // rather than a tail; a memory-bound kernel keeps most of its bandwidth there.
   double no_split_fill_one_wave = 0;
+  // For a kernel whose CTAs run one an SM, each bound by its own work (the 64-row MLA decode),
+  // a model of the launch's time chooses the split instead of the tests above: the plan of whole
+  // sequences, and for n = 2, 3, ... the plan that cuts a sequence's keys into chunks of about
+  // max_visible / n (whole key tiles, min_chunk_len at least), each timed as its CTAs run in the
+  // plan's order, each on the first free slot and lasting its keys plus cta_start_keys, with a
+  // split plan's merge after them: merge_keys plus merge_keys_per_row for each partial row. The
+  // fastest wins, and of equals the one with fewer chunks. Times in keys (a CTA's time for one
+  // key tile's worth of keys, divided by block_n); cta_start_keys 0: off.
+  double cta_start_keys = 0;
+  double merge_keys = 0;
+  double merge_keys_per_row = 0;
   int min_chunk_len = 256;             // a shorter chunk costs more in merging than it gains
   int64_t max_partial_rows = 1 << 22;  // workspace capacity, in (token, head) rows
   // 0: split sequences are merged by the merge pass. n > 1: the kernel can merge the chunks of a

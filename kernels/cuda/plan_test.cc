@@ -246,20 +246,72 @@ PlanConfig NarrowMlaDecodeConfig() {
   return c;
 }
 
-// The 64-row MLA decode's settings (Traits): 128 heads in two 64-row items a sequence; a launch
-// within one wave stays whole from 70% of the SMs busy.
-TEST(PlanTest, MostOfAWaveOfMlaDecodeStaysWhole) {
+// The 64-row MLA decode's settings (kernels/cuda/sm90/mla_sm90.cu, Traits): 128 heads in two
+// 64-row items a sequence, one CTA an SM, and a cost model in place of the split tests
+// (PlanConfig::cta_start_keys): each CTA lasting its keys plus 120, a split's merge 450 plus
+// 0.068 a partial row.
+PlanConfig CostModelConfig() {
   PlanConfig c = MlaDecodeConfig(128, 64);
-  c.min_chunk_len = 1024;
-  c.no_split_fill = 0.9;
-  c.no_split_fill_one_wave = 0.7;
-  ExpectWhole(c, 64, 4096);                // 128 CTAs: 97%
-  ExpectWhole(c, 48, 4096);                // 96: 73%
-  ExpectWhole(c, 128, 4096);               // 256: two waves
-  EXPECT_EQ(ChunkLen(c, 32, 4096), 1024);  // 64 CTAs: 48%, split into 256 CTAs
-  c.no_split_fill = 0;
-  c.no_split_fill_one_wave = 0;
-  EXPECT_EQ(ChunkLen(c, 64, 4096), 1024);  // what it planned before: 512 CTAs and a merge
+  c.min_chunk_len = 512;
+  c.cta_start_keys = 120;
+  c.merge_keys = 450;
+  c.merge_keys_per_row = 0.068;
+  return c;
+}
+
+TEST(PlanTest, CostModelCutsSequencesIntoEqualChunks) {
+  const PlanConfig c = CostModelConfig();
+  // 32 x 4096 at 128 heads: 64 CTAs whole (4216); two chunks of 2048 fill 128 SMs once (2168 and
+  // a merge of 8192 rows, 1007); four of 1024, 256 CTAs in two waves (2288 and 1564), are slower.
+  std::vector<int32_t> q(32, 1), kv(32, 4096);
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 32);
+  EXPECT_EQ(plan.chunk_len, 2048);
+  EXPECT_EQ(plan.items.size(), 128u);
+  ExpectPlanCovers(c, plan, q, kv);
+  // Keys that no chunk count divides: two chunks of whole key tiles, 1536 and 1464 keys.
+  std::vector<int32_t> kv3000(32, 3000);
+  const AttentionPlan uneven = PlanAttention(c, q.data(), kv3000.data(), 32);
+  EXPECT_EQ(uneven.chunk_len, 1536);
+  ExpectPlanCovers(c, uneven, q, kv3000);
+  // 16 sequences: four chunks, 128 CTAs (1144 and a merge, 1007); 8: eight, 128 CTAs again.
+  EXPECT_EQ(ChunkLen(c, 16, 4096), 1024);
+  EXPECT_EQ(ChunkLen(c, 8, 4096), 512);
+  // A longer context at about a wave: 20 x 8192, three chunks of 2752 keys and fewer (120 CTAs).
+  EXPECT_EQ(ChunkLen(c, 20, 8192), 2752);
+}
+
+TEST(PlanTest, CostModelKeepsWavesWholeThatASplitCannotShorten) {
+  const PlanConfig c = CostModelConfig();
+  ExpectWhole(c, 48, 4096);   // 96 CTAs: four chunks would make three waves of 1144 and a merge
+  ExpectWhole(c, 64, 4096);   // 128 CTAs: one wave
+  ExpectWhole(c, 128, 4096);  // two full waves
+  ExpectWhole(c, 8, 512);     // no chunk of 512 keys shorter than the sequences
+  ExpectWhole(c, 0, 4096);    // nothing to plan
+  // Without the model the same config splits 64 x 4096 (waves_before_split 1, no fill test).
+  PlanConfig tests = c;
+  tests.cta_start_keys = 0;
+  EXPECT_EQ(ChunkLen(tests, 64, 4096), 1024);
+}
+
+TEST(PlanTest, CostModelSplitsALongSequenceAmongShortOnes) {
+  // One sequence of 65536 keys among 63 of 1024: whole, its two CTAs end ~60000 keys after the
+  // rest; cut into chunks of 2048 (32 a tile, every CTA within one wave), the launch is one
+  // chunk long plus the merge of its 32 x 128 partial rows (the short ones stay whole).
+  const PlanConfig c = CostModelConfig();
+  std::vector<int32_t> q(64, 1), kv(64, 1024);
+  kv[5] = 65536;
+  const AttentionPlan plan = PlanAttention(c, q.data(), kv.data(), 64);
+  EXPECT_GT(plan.chunk_len, 0);
+  EXPECT_LE(plan.chunk_len, 4096);
+  EXPECT_EQ(plan.merges.size(), 1u);  // the long sequence's token
+  ExpectPlanCovers(c, plan, q, kv);
+  // The workspace caps the chunks: room for 8 partial rows of 128 heads leaves the long
+  // sequence at most 8 chunks (8192 keys at least).
+  PlanConfig small = c;
+  small.max_partial_rows = 8 * 128;
+  const AttentionPlan capped = PlanAttention(small, q.data(), kv.data(), 64);
+  EXPECT_GE(capped.chunk_len, 8192);
+  ExpectPlanCovers(small, capped, q, kv);
 }
 
 TEST(PlanTest, OneWaveTargetSplitsIntoAboutOneWave) {

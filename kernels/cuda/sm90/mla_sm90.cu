@@ -1251,16 +1251,19 @@ struct Config {
     } else {
       // As the portable kernel: a chunk's 64 x 512 float partials cost little next to 1024 keys.
       tiling->min_chunk_len = 1024;
-      // One CTA per SM, each streaming a whole sequence: a decode of 128 heads x 128 sequences
-      // is 256 CTAs, two full waves, which splitting would only cut into more waves plus a
-      // merge. Nor is most of one wave worth splitting: 64 sequences (128 CTAs on 132 SMs) ran
-      // 135 us whole and 190 us as 512 CTAs of 1024-key chunks on the H200, 48 (96 CTAs, 0.73)
-      // 134 us whole and 166 us in 1024-key chunks on an H100; 32 (0.48) ran 129 us whole and
-      // 113 us split (bench/RESULTS.md).
+      // One CTA an SM, bound by its tensor work: a decode's split is the planner's cost model's
+      // (PlanConfig::cta_start_keys), fitted on an H100 to the 128-head decode at 8-96 x 4096
+      // keys whole and in chunks of 512, 1024 and 2048 (bench/RESULTS.md, 2026-12-07): a CTA ran
+      // ~0.031 us a key and ~3.7 us to start, and a split added ~14 us plus ~2.1 ns a partial
+      // row (its floats written and merged). On those shapes it picks what ran fastest, and
+      // 32 x 3000 and 20 x 8192 ran 25-28% faster on its equal chunks than on the split tests'
+      // 1024-key ones. Chunks down to 512 keys: 8 x 4096 ran 42.6 us in 512-key chunks (128
+      // CTAs), 52.1 in 1024-key ones.
       if (decode) {
-        tiling->waves_before_split = 1.0;
-        tiling->no_split_fill = 0.9;
-        tiling->no_split_fill_one_wave = 0.7;
+        tiling->min_chunk_len = 512;
+        tiling->cta_start_keys = 120;
+        tiling->merge_keys = 450;
+        tiling->merge_keys_per_row = 0.068;
       }
     }
     return DescribeKernel(kKernel, T::kThreads, T::kSmemBytes, T::kBlockM, T::kBlockN, tiling);
