@@ -41,7 +41,8 @@
 // right after an item's last P V (variant 52: the seed +4.5%, the page-64 prefill level; its last
 // stage is released only once the next item's Q and first tile have landed); the narrow kernel's
 // tiles copied in address order, each completing on all nine column blocks at once (variant 51:
-// level).
+// level); the persistent kernels' next Q brought into L2 when its item is drawn (53, 54: level
+// on the page-64 prefill, the seed +1%: the item boundary does not wait on Q's DRAM latency).
 // Page touch (kTouchTiles, variants 42, 44 and 46: the default for decodes of more than 32 heads
 // where HBM per SM is lean, and for prefills on cp.async tiles): while the
 // producer waits for the stage of tile t it touches one line of each page run of tile t + 2
@@ -1254,8 +1255,8 @@ struct Config {
       // One CTA an SM, bound by its tensor work: a decode's split is the planner's cost model's
       // (PlanConfig::cta_start_keys), fitted on an H100 to the 128-head decode at 8-96 x 4096
       // keys whole and in chunks of 512, 1024 and 2048 (bench/RESULTS.md, 2026-12-07): a CTA ran
-      // ~0.031 us a key and ~3.7 us to start, and a split added ~14 us plus ~2.1 ns a partial
-      // row (its floats written and merged). On those shapes it picks what ran fastest, and
+      // ~0.029 us a key and ~3.5 us to start, and a split added ~13 us plus ~2 ns a partial row
+      // (its floats written and merged). On those shapes it picks what ran fastest, and
       // 32 x 3000 and 20 x 8192 ran 25-28% faster on its equal chunks than on the split tests'
       // 1024-key ones. Chunks down to 512 keys: 8 x 4096 ran 42.6 us in 512-key chunks (128
       // CTAs), 52.1 in 1024-key ones.
