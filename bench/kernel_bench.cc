@@ -36,9 +36,11 @@
 // MLA decode of H heads (mla_decode_<H>h_b<B>x<KEYS>_p<PAGE>): `mla128:64x4096p64`.
 //
 // --stamps DIR runs the stamped GQA prefill (kGqaPrefillSm90Stamped: the default's kernel with
-// phase stamps) once more on every GQA prefill shape of head_dim 128, after a flush, and writes
-// its phase stamps to DIR/<shape>_v<variant>.stamps (one work a line, the kPhaseStampSlots slots
-// of kernels/cuda/api.h's PhaseSlot); bench/stamps.py says where the time went.
+// phase stamps) once more on every GQA prefill shape of head_dim 128, and the stamped persistent
+// MLA kernel (kMlaSm90Stamped) on every MLA prefill shape, after a flush, and writes their phase
+// stamps to DIR/<shape>_v<variant>.stamps (one work a line: a CTA of the GQA prefill, an item of
+// the MLA kernel; the kPhaseStampSlots slots of kernels/cuda/api.h's PhaseSlot); bench/stamps.py
+// says where the time went.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -272,20 +274,26 @@ Result Measure(const Shape& s, HostBatch& h, int variant, const testing::PlanOve
 void WriteStamps(const Shape& s, HostBatch& h, int variant, const std::string& dir, void* flush,
                  size_t flush_bytes) {
   std::unique_ptr<DeviceBatch> d;
-  CHECK_CUDA(DeviceBatch::Create(h.gqa, &d, variant));
-  const int ctas = static_cast<int>(d->plan().items.size()) * s.kv_heads;
+  if (s.mla) {
+    CHECK_CUDA(DeviceBatch::Create(h.mla, &d, variant));
+  } else {
+    CHECK_CUDA(DeviceBatch::Create(h.gqa, &d, variant));
+  }
+  // A record a CTA of the GQA prefill, a record an item of the persistent MLA kernel.
+  const int ctas = static_cast<int>(d->plan().items.size()) * (s.mla ? 1 : s.kv_heads);
   const size_t bytes = sizeof(uint64_t) * ctas * cuda::kPhaseStampSlots;
   void* buffer;
   CHECK_CUDA(cudaMalloc(&buffer, bytes));
   auto* records = static_cast<uint64_t*>(buffer);
-  CHECK_CUDA(cuda::SetGqaPrefillPhaseStamps({records, ctas}));
+  const auto set = s.mla ? cuda::SetMlaPhaseStamps : cuda::SetGqaPrefillPhaseStamps;
+  CHECK_CUDA(set({records, ctas}));
   for (int i = 0; i < 3; ++i) CHECK_CUDA(d->RunAttention(nullptr));  // warm-up
   CHECK_CUDA(cudaMemset(records, 0, bytes));
   CHECK_CUDA(cudaMemsetAsync(flush, 1, flush_bytes));
   CHECK_CUDA(d->RunAttention(nullptr));
   std::vector<uint64_t> host(bytes / sizeof(uint64_t));
   CHECK_CUDA(cudaMemcpy(host.data(), records, bytes, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cuda::SetGqaPrefillPhaseStamps({}));
+  CHECK_CUDA(set({}));
   CHECK_CUDA(cudaFree(records));
   std::string file = s.name + "_v" + std::to_string(variant);
   std::replace(file.begin(), file.end(), '/', '-');
@@ -423,6 +431,9 @@ int Main(int argc, char** argv) {
     }
     if (!stamps_dir.empty() && has_variants && s.head_dim == 128) {
       WriteStamps(s, h, cuda::kGqaPrefillSm90Stamped, stamps_dir, flush, flush_bytes);
+    }
+    if (!stamps_dir.empty() && s.mla && !s.decode) {
+      WriteStamps(s, h, cuda::kMlaSm90Stamped, stamps_dir, flush, flush_bytes);
     }
   }
   if (!json.empty()) {

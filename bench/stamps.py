@@ -3,7 +3,11 @@
 
     python3 bench/stamps.py DIR/*.stamps
 
-Each line of a .stamps file is one CTA's record (kernels/cuda/api.h, PhaseSlot). The SM-time of
+Each line of a .stamps file is one work's record (kernels/cuda/api.h, PhaseSlot): a CTA's, or,
+for a persistent kernel (the stamped MLA kernel), an item's, many a CTA, each starting when the
+producer takes it up, while the consumers still finish the item before; its "gap between works"
+is then negative (the overlap), and the item boundary line says what the consumers wait between
+one item's last P V and the next one's first S. The SM-time of
 the launch (SMs x its span) is split into each CTA's phases, the gaps between one CTA's end and
 the next one's start on the same SM, and the SMs' idle time before their first and after their
 last CTA. Phases and gaps are measured in SM clock cycles (one SM's clock is one counter, so its
@@ -84,7 +88,7 @@ def summarize(path):
     by_sm = defaultdict(list)
     for c in ctas:
         by_sm[c["sm"]].append(c)
-    gaps, head, tail = [], [], []
+    gaps, head, tail, boundaries = [], [], [], []
     for runs in by_sm.values():
         # One SM's clock orders its CTAs and times the gaps between them (the global timer is
         # too coarse for gaps of a microsecond).
@@ -94,6 +98,10 @@ def summarize(path):
         gaps += [
             us(b["start_clk"] - max(a["stored_clk0"], a["stored_clk1"]))
             for a, b in itertools.pairwise(runs)
+        ]
+        # The consumers' view of the move from one work to the next: last P V to first S.
+        boundaries += [
+            us(b["first_s_clk"] - a["loop_end_clk"]) for a, b in itertools.pairwise(runs)
         ]
     sm_time = len(by_sm) * span / 1e3
     busy = sum((c["end_ns"] - c["start_ns"]) / 1e3 for c in ctas)
@@ -124,6 +132,10 @@ def summarize(path):
         lines.append(
             f"  gap between CTAs on an SM: mean {statistics.mean(gaps):.2f} us, "
             f"p90 {quantile(gaps, 0.9):.2f}"
+        )
+        lines.append(
+            f"  last P V -> next first S on an SM: mean {statistics.mean(boundaries):.2f} us, "
+            f"p90 {quantile(boundaries, 0.9):.2f}"
         )
     return "\n".join(lines)
 

@@ -179,6 +179,7 @@ PlanConfig MlaPlanConfig(const MlaParams& p, const KernelTiling& tiling, int64_t
 
 #ifndef ATTN_HAVE_SM90
 cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer&) { return cudaErrorNotSupported; }
+cudaError_t SetMlaPhaseStamps(const PhaseStampBuffer&) { return cudaErrorNotSupported; }
 #endif
 
 cudaError_t GqaAttention(const GqaParams& p, const DevicePlan& plan, cudaStream_t stream) {

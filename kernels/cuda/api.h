@@ -155,16 +155,21 @@ inline constexpr int kMlaSm90LateRightTmaTouch2LazyLean = 44;
 // and first keys while it finishes the one before: the prefills' defaults.
 inline constexpr int kMlaSm90PersistentLean = 45;
 inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
+// 46 with phase stamps (SetMlaPhaseStamps): each item writes one record at its index, its start
+// being when the producer takes it up. An instrument (kernel_bench --stamps on the MLA prefills),
+// never a default.
+inline constexpr int kMlaSm90Stamped = 55;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 || v == kMlaSm90LateRightTmaLazy ||
          v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
          v == kMlaSm90LateRightTmaTouch2LazyLean || v == kMlaSm90PersistentLean ||
-         v == kMlaSm90PersistentTouch2Lean;
+         v == kMlaSm90PersistentTouch2Lean || v == kMlaSm90Stamped;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of
-// kPhaseStampSlots words per work (item index * KV heads + KV head: one CTA), each slot a
-// PhaseSlot.
+// kPhaseStampSlots words per work (the GQA prefill: item index * KV heads + KV head, one CTA; the
+// persistent MLA kernel: item index, many a CTA, consumer warpgroup 0 the score warpgroup), each
+// slot a PhaseSlot.
 enum class PhaseSlot : int {
   kSmAndTiles = 0,  // %smid | key tiles << 32
   kStartNs,         // global timer (ns) at the CTA's start
@@ -189,6 +194,8 @@ struct PhaseStampBuffer {
 // nothing). Takes effect for launches enqueued after it returns; cudaErrorNotSupported where the
 // Hopper kernels are not built.
 cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer& buffer);
+// The same for the stamped MLA variant (kMlaSm90Stamped).
+cudaError_t SetMlaPhaseStamps(const PhaseStampBuffer& buffer);
 
 // What the planner needs to know of the kernel a launch will run on the current device.
 struct KernelTiling {

@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -554,24 +555,29 @@ TEST_F(KernelTest, GqaWorkloadShapes) {
 }
 
 // A stamped prefill computes what its unstamped variant does, bit for bit, and writes one sane
-// record per work: within the buffer, on a real SM, its phases in order.
-void ExpectStamped(GqaHostBatch& host, int variant, int stamped) {
+// record per work (a CTA of the GQA prefill, an item of the persistent MLA kernel): within the
+// buffer, on a real SM, its phases in order.
+template <typename HostBatch>
+void ExpectStamped(HostBatch& host, int variant, int stamped) {
+  constexpr bool kMla = std::is_same_v<HostBatch, MlaHostBatch>;
   SCOPED_TRACE(::testing::Message() << "variant " << stamped);
   std::vector<Got> got;
   ASSERT_NO_FATAL_FAILURE(RunVariants(host, {variant}, &got));
   std::unique_ptr<DeviceBatch> device;
   ASSERT_CUDA_OK(DeviceBatch::Create(host, &device, stamped));
-  const int works = static_cast<int>(device->plan().items.size()) * host.geometry.num_kv_heads;
+  int works = static_cast<int>(device->plan().items.size());
+  if constexpr (!kMla) works *= host.geometry.num_kv_heads;
+  const auto set = kMla ? cuda::SetMlaPhaseStamps : cuda::SetGqaPrefillPhaseStamps;
   const int capacity = works + 8;  // the slack must stay untouched
   const size_t bytes = sizeof(uint64_t) * capacity * cuda::kPhaseStampSlots;
   void* buffer = nullptr;
   ASSERT_CUDA_OK(cudaMalloc(&buffer, bytes));
   auto* records = static_cast<uint64_t*>(buffer);
   ASSERT_CUDA_OK(cudaMemset(records, 0, bytes));
-  ASSERT_CUDA_OK(cuda::SetGqaPrefillPhaseStamps({records, capacity}));
+  ASSERT_CUDA_OK(set({records, capacity}));
   ASSERT_CUDA_OK(device->PoisonOutputs(nullptr));
   ASSERT_CUDA_OK(device->Run(nullptr));
-  ASSERT_CUDA_OK(cuda::SetGqaPrefillPhaseStamps({}));
+  ASSERT_CUDA_OK(set({}));
   Got r{stamped, {}, {}, {}};
   ASSERT_CUDA_OK(device->Download(&r.out, &r.lse, &r.cache));
   std::vector<uint64_t> host_records(bytes / sizeof(uint64_t));
@@ -609,6 +615,31 @@ void ExpectStamped(GqaHostBatch& host, int variant, int stamped) {
     EXPECT_GT(at(PhaseSlot::kStoredClock1), 0u);
   }
   EXPECT_GT(with_tiles, 0);
+}
+
+// The stamped MLA kernel is 46, persistent: many items a CTA (three sequences an SM), an empty
+// sequence among them, on cp.async tiles (page 1) and TMA ones (page 64).
+TEST_F(KernelTest, MlaPhaseStamps) {
+  int sms = 0;
+  ASSERT_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  std::mt19937_64 rng(Seed());
+  std::vector<SeqSpec> seqs;
+  for (int i = 0; i < 3 * sms; ++i) {
+    const int q = 1 + static_cast<int>(rng() % 12);
+    seqs.push_back(i == 5 ? SeqSpec{0, 0, 0} : SeqSpec{q, q + static_cast<int>(rng() % 400), 0});
+  }
+  BatchOptions options;
+  options.pad_last_page_len = true;
+  for (int page_size : {1, 64}) {
+    SCOPED_TRACE(::testing::Message() << "page " << page_size);
+    if (AcceptedVariants({cuda::kMlaSm90Stamped}, [&](cuda::KernelTiling* t) {
+          return cuda::GetMlaTiling(16, page_size, false, t);
+        }).empty()) {
+      GTEST_SKIP() << "no sm_90a kernels here";
+    }
+    MlaHostBatch host = MakeMlaBatch({1, page_size, 16}, seqs, options, rng);
+    ExpectStamped(host, cuda::kMlaSm90LateRightTmaTouch2LazyLean, cuda::kMlaSm90Stamped);
+  }
 }
 
 // The stamped variant is the default's kernel: its TMA tiles at page size 16, its copying twin at

@@ -74,6 +74,7 @@
 #include "kernels/cuda/common/epilogue.cuh"
 #include "kernels/cuda/common/launch.h"
 #include "kernels/cuda/common/paged_kv.cuh"
+#include "kernels/cuda/common/phase_stamps.cuh"
 #include "kernels/cuda/common/softmax_state.cuh"
 #include "kernels/cuda/sm90/hopper.cuh"
 #include "kernels/cuda/sm90/launchers_sm90.h"
@@ -104,10 +105,13 @@ constexpr bool kLazyRescale = true;
 // OnlineSoftmax::UpdatePositiveScale's straight-line pass over both rows where the scale is
 // positive, as the GQA prefill's lean tiles do: the prefills' default (api.cc's DefaultSm90Mla).
 // kPersistent: one CTA an SM runs items until none is left (the kernel's comment below).
-template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false>
+// kStamps: every item writes its phase stamps (one record at its index; kMlaSm90Stamped).
+template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false,
+          bool kStamps_ = false>
 struct Traits {
   static constexpr bool kLeanSoftmax = kLeanSoftmax_;
   static constexpr bool kPersistent = kPersistent_;
+  static constexpr bool kStamps = kStamps_;
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
   static constexpr int kBlockM = 64;  // packed rows per CTA
@@ -198,7 +202,11 @@ struct Smem {
   }
 };
 
+// Where the stamped variant writes its records (SetMlaPhaseStamps).
+__device__ PhaseStampBuffer g_mla_phase_stamps;
+
 struct Work {
+  int index = -1;  // in the plan's items (T::kStamps only)
   WorkItem item;
   SeqExtent seq;
   int num_rows;   // packed rows of the sequence
@@ -212,6 +220,17 @@ struct Work {
   __device__ __forceinline__ int Tile(int t) const { return tiles_before + t; }
 };
 
+// The stamped variant's stamp of `slot` for item `index` (the others compile nothing): the SM's
+// clock, or `value`.
+template <typename T>
+__device__ __forceinline__ void Stamp(int index, PhaseSlot slot) {
+  if constexpr (T::kStamps) StampClock(g_mla_phase_stamps, index, slot);
+}
+template <typename T>
+__device__ __forceinline__ void Stamp(int index, PhaseSlot slot, uint64_t value) {
+  if constexpr (T::kStamps) WriteStamp(g_mla_phase_stamps, index, slot, value);
+}
+
 // Warpgroup 0: all copies into shared memory.
 template <typename T>
 __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const Smem<T>& s,
@@ -221,6 +240,13 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   const int row0 = tid / 8;   // its rows: row0 + 16 i, all with the same swizzle phase
   const uint32_t lane_offset = row0 * 128 + ((chunk ^ (row0 & 7)) << 4);
   const int heads = p.num_heads;
+  if (tid == 0) {
+    // An item's start: when the producer takes it up (in a persistent CTA, while the consumers
+    // may still work on the item before).
+    Stamp<T>(w.index, PhaseSlot::kSmAndTiles, SmId() | uint64_t{uint32_t(w.num_tiles)} << 32);
+    Stamp<T>(w.index, PhaseSlot::kStartNs, GlobalTimerNs());
+    Stamp<T>(w.index, PhaseSlot::kStartClock);
+  }
   if constexpr (T::kPersistent) {
     if (w.num_tiles == 0) return;  // its consumers wait for neither Q nor keys
     // The previous item's S has read Q for the last time.
@@ -242,6 +268,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     }
   }
   BarrierArriveOnCopies(s.QFull());
+  if (tid == 0) Stamp<T>(w.index, PhaseSlot::kQIssuedClock);
 
   const PagedRows rows = MlaRows(p.cache, p.batch, w.seq);
   const int page_size = p.cache.page_size;
@@ -354,6 +381,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
 
     current = next;
   }
+  if (tid == 0) Stamp<T>(w.index, PhaseSlot::kProducedClock);
   if constexpr (!T::kPersistent) WaitAllCopies();  // persistent: once, after the last item
 }
 
@@ -517,6 +545,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   };
   if (w.num_tiles > 0) {
     BarrierWait(s.QFull(), w.q_loads_before & 1);
+    if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kQReadyClock);
     WgmmaFence();
     issue_qk(0);
     WgmmaCommit();
@@ -525,6 +554,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     finish_qk();
     softmax_tile(0);  // O is still 0: its factor changes nothing
     ScoresToA(acc, pf);
+    if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kFirstSClock);
     // One key tile: P V of tile t, then (kMore) S of tile t + 1, whose softmax runs once P V is
     // done. P V goes first so that tile t's stage is released (and refilled) before S of tile
     // t + 1 runs: issued the other way round, both stages would be in use until tile t + 1's S
@@ -564,6 +594,7 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     };
     for (int t = 0; t + 1 < w.num_tiles; ++t) step(t, std::true_type());
     step(w.num_tiles - 1, std::false_type());
+    if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kLoopEndClock);
   }
 
   // An item without keys meets warpgroup 2 at no P barrier: in a persistent kernel, wait until it
@@ -581,6 +612,10 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
   NamedBarrierSync(kFinalBarrier, 256);
   const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, 0, lane, true);
+  if (ctid == 0) {
+    Stamp<T>(w.index, PhaseSlot::kStoredClock0);
+    Stamp<T>(w.index, PhaseSlot::kEndNs0, GlobalTimerNs());
+  }
 }
 
 // Warpgroup 2: output columns [256, 512) from the score warpgroup's P and factors.
@@ -623,6 +658,10 @@ __device__ __forceinline__ void ConsumeSecond(const MlaParams& p, const Work& w,
   const float sums[2] = {s.FinalSum()[row_g], s.FinalSum()[row_g + 8]};
   const RowSink cta_sink = sink.ForItem(w.item.partial_row, w.seq, p.causal, 0);
   StoreRows(cta_sink, o, m, sums, w.item.row_begin + 16 * warp, w.num_rows, kHalfCols, lane, false);
+  if (ctid == 0) {
+    Stamp<T>(w.index, PhaseSlot::kStoredClock1);
+    Stamp<T>(w.index, PhaseSlot::kEndNs1, GlobalTimerNs());
+  }
 }
 
 // ---- The transposed kernel for few heads (NarrowTraits). A decode of 8 to 32 heads fills only
@@ -671,6 +710,7 @@ struct NarrowTraits {
   static constexpr bool kNarrow = true;
   static constexpr bool kClusterMerge = true;
   static constexpr bool kPersistent = false;
+  static constexpr bool kStamps = false;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
   static_assert(kN == 16 || kN == 32, "the widths of Wgmma<16> and Wgmma<32>");
   static constexpr int kBlockM = kN;
@@ -1024,6 +1064,7 @@ __device__ __forceinline__ void MergeClusterOf(const MlaParams& p, const Work& w
 template <typename T>
 __device__ __forceinline__ Work WorkOf(const MlaParams& p, const DeviceWorkItem* items, int index) {
   Work w;
+  if constexpr (T::kStamps) w.index = index;
   const DeviceWorkItem& planned = items[static_cast<uint32_t>(index)];  // never negative
   w.item = planned.item;
   w.seq = ExtentOf(planned, p.batch);
@@ -1290,6 +1331,8 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<0, true, true>>());
     case kMlaSm90PersistentTouch2Lean:
       return fn(Config<Traits<2, true, true>>());
+    case kMlaSm90Stamped:  // an instrument
+      return fn(Config<Traits<2, true, true, true>>());
     default:
       return cudaErrorInvalidValue;
   }
@@ -1301,6 +1344,10 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
 cudaError_t LaunchMlaSm90(const MlaParams& p, const DevicePlan& plan, cudaStream_t stream,
                           int variant) {
   return sm90::WithConfig(variant, [&](auto config) { return config.Launch(p, plan, stream); });
+}
+
+cudaError_t SetMlaPhaseStamps(const PhaseStampBuffer& buffer) {
+  return cudaMemcpyToSymbol(sm90::g_mla_phase_stamps, &buffer, sizeof(buffer));
 }
 
 cudaError_t MlaSm90Tiling(int variant, int num_heads, bool decode, KernelTiling* tiling) {
