@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <queue>
 #include <utility>
 
 namespace attn {
@@ -42,25 +41,39 @@ int64_t PartialRows(const PlanConfig& c, const int32_t* q_lens, const int32_t* k
   return rows;
 }
 
+// CTA slots that take a launch's CTAs in order, each CTA on the slot that frees up first (as the
+// GPU starts them): when the last one ends.
+class Slots {
+ public:
+  explicit Slots(int n) : free_at_(n, 0.0) {}
+
+  void Run(double duration) {
+    std::pop_heap(free_at_.begin(), free_at_.end(), std::greater<double>());
+    free_at_.back() += duration;
+    makespan_ = std::max(makespan_, free_at_.back());
+    std::push_heap(free_at_.begin(), free_at_.end(), std::greater<double>());
+  }
+  double makespan() const { return makespan_; }
+
+ private:
+  std::vector<double> free_at_;  // a min-heap of the slots' end times
+  double makespan_ = 0;
+};
+
 // The share of cta_slots x makespan the unsplit tiles keep busy: each tile's CTAs (one per KV
 // head) go longest first to the slot that frees up first, each lasting its visible keys.
 double UnsplitFill(const PlanConfig& c, std::vector<Tile> tiles) {
   std::stable_sort(tiles.begin(), tiles.end(),
                    [](const Tile& a, const Tile& b) { return a.visible > b.visible; });
-  std::priority_queue<int64_t, std::vector<int64_t>, std::greater<int64_t>> free_at;
-  for (int s = 0; s < c.cta_slots; ++s) free_at.push(0);
-  int64_t busy = 0, makespan = 0;
+  Slots slots(c.cta_slots);
+  double busy = 0;
   for (const Tile& t : tiles) {
     for (int h = 0; h < c.num_kv_heads; ++h) {
-      const int64_t end = free_at.top() + t.visible;
-      free_at.pop();
-      free_at.push(end);
+      slots.Run(t.visible);
       busy += t.visible;
-      makespan = std::max(makespan, end);
     }
   }
-  return makespan == 0 ? 1.0
-                       : static_cast<double>(busy) / (static_cast<double>(c.cta_slots) * makespan);
+  return slots.makespan() == 0 ? 1.0 : busy / (c.cta_slots * slots.makespan());
 }
 
 // Keys per chunk, or 0 to leave every sequence whole.
@@ -179,21 +192,15 @@ AttentionPlan PlanChunks(const PlanConfig& c, const std::vector<Tile>& tiles, co
 }
 
 // A plan's time under PlanConfig's cost model (cta_start_keys, merge_keys, merge_keys_per_row):
-// its CTAs in launch order, each on the slot that frees up first, then the merge.
+// its CTAs in launch order on the CTA slots, each lasting its keys plus a start, then the merge.
 double ModeledTime(const PlanConfig& c, const AttentionPlan& plan) {
-  std::vector<double> free_at(c.cta_slots, 0.0);  // a min-heap of the slots' end times
-  const auto later = std::greater<double>();
-  double makespan = 0;
+  Slots slots(c.cta_slots);
   for (const WorkItem& w : plan.items) {
-    for (int h = 0; h < c.num_kv_heads; ++h) {
-      std::pop_heap(free_at.begin(), free_at.end(), later);
-      free_at.back() += (w.kv_end - w.kv_begin) + c.cta_start_keys;
-      makespan = std::max(makespan, free_at.back());
-      std::push_heap(free_at.begin(), free_at.end(), later);
-    }
+    for (int h = 0; h < c.num_kv_heads; ++h) slots.Run(w.kv_end - w.kv_begin + c.cta_start_keys);
   }
-  if (plan.merges.empty()) return makespan;
-  return makespan + c.merge_keys + c.merge_keys_per_row * static_cast<double>(plan.partial_rows);
+  if (plan.merges.empty()) return slots.makespan();
+  return slots.makespan() + c.merge_keys +
+         c.merge_keys_per_row * static_cast<double>(plan.partial_rows);
 }
 
 // Most waves of CTAs a modeled split may have: past a few waves more chunks shorten no slot's

@@ -206,7 +206,7 @@ struct Smem {
 __device__ PhaseStampBuffer g_mla_phase_stamps;
 
 struct Work {
-  int index = -1;  // in the plan's items (T::kStamps only)
+  int index;  // in the plan's items
   WorkItem item;
   SeqExtent seq;
   int num_rows;   // packed rows of the sequence
@@ -1064,7 +1064,7 @@ __device__ __forceinline__ void MergeClusterOf(const MlaParams& p, const Work& w
 template <typename T>
 __device__ __forceinline__ Work WorkOf(const MlaParams& p, const DeviceWorkItem* items, int index) {
   Work w;
-  if constexpr (T::kStamps) w.index = index;
+  w.index = index;
   const DeviceWorkItem& planned = items[static_cast<uint32_t>(index)];  // never negative
   w.item = planned.item;
   w.seq = ExtentOf(planned, p.batch);
