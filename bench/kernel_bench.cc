@@ -37,7 +37,8 @@
 //
 // --stamps DIR runs the stamped GQA prefill (kGqaPrefillSm90Stamped: the default's kernel with
 // phase stamps) once more on every GQA prefill shape of head_dim 128, and the stamped persistent
-// MLA kernel (kMlaSm90Stamped) on every MLA prefill shape, after a flush, and writes their phase
+// MLA kernels (kMlaSm90Stamped, and the split-Q trial's kMlaSm90StampedSplitQ) on every MLA
+// prefill shape, after a flush, and writes their phase
 // stamps to DIR/<shape>_v<variant>.stamps (one work a line: a CTA of the GQA prefill, an item of
 // the MLA kernel; the kPhaseStampSlots slots of kernels/cuda/api.h's PhaseSlot); bench/stamps.py
 // says where the time went.
@@ -433,7 +434,9 @@ int Main(int argc, char** argv) {
       WriteStamps(s, h, cuda::kGqaPrefillSm90Stamped, stamps_dir, flush, flush_bytes);
     }
     if (!stamps_dir.empty() && s.mla && !s.decode) {
-      WriteStamps(s, h, cuda::kMlaSm90Stamped, stamps_dir, flush, flush_bytes);
+      for (int stamped : {cuda::kMlaSm90Stamped, cuda::kMlaSm90StampedSplitQ}) {
+        WriteStamps(s, h, stamped, stamps_dir, flush, flush_bytes);
+      }
     }
   }
   if (!json.empty()) {

@@ -89,6 +89,7 @@ def summarize(path):
     for c in ctas:
         by_sm[c["sm"]].append(c)
     gaps, head, tail, boundaries = [], [], [], []
+    parts = defaultdict(list)
     for runs in by_sm.values():
         # One SM's clock orders its CTAs and times the gaps between them (the global timer is
         # too coarse for gaps of a microsecond).
@@ -99,10 +100,16 @@ def summarize(path):
             us(b["start_clk"] - max(a["stored_clk0"], a["stored_clk1"]))
             for a, b in itertools.pairwise(runs)
         ]
-        # The consumers' view of the move from one work to the next: last P V to first S.
-        boundaries += [
-            us(b["first_s_clk"] - a["loop_end_clk"]) for a, b in itertools.pairwise(runs)
-        ]
+        # The consumers' view of the move from one work to the next: last P V to first S, and
+        # its parts: the stores (the score warpgroup's, stamped by its first thread), the wait
+        # for the next Q, the first S with its softmax; and the producer's: when it had issued
+        # the next Q, from the last P V of the work before (negative: before it).
+        for a, b in itertools.pairwise(runs):
+            boundaries.append(us(b["first_s_clk"] - a["loop_end_clk"]))
+            parts["stores"].append(us(a["stored_clk0"] - a["loop_end_clk"]))
+            parts["stored -> next Q ready"].append(us(b["q_ready_clk"] - a["stored_clk0"]))
+            parts["next Q ready -> its first S"].append(us(b["first_s_clk"] - b["q_ready_clk"]))
+            parts["next Q issued, from last P V"].append(us(b["q_issued_clk"] - a["loop_end_clk"]))
     sm_time = len(by_sm) * span / 1e3
     busy = sum((c["end_ns"] - c["start_ns"]) / 1e3 for c in ctas)
 
@@ -137,6 +144,11 @@ def summarize(path):
             f"  last P V -> next first S on an SM: mean {statistics.mean(boundaries):.2f} us, "
             f"p90 {quantile(boundaries, 0.9):.2f}"
         )
+        for name, values in parts.items():
+            lines.append(
+                f"    {name:32s} mean {statistics.mean(values):7.2f} us  "
+                f"p10 {quantile(values, 0.1):7.2f}  p90 {quantile(values, 0.9):7.2f}"
+            )
     return "\n".join(lines)
 
 

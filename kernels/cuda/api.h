@@ -159,11 +159,29 @@ inline constexpr int kMlaSm90PersistentTouch2Lean = 46;
 // being when the producer takes it up. An instrument (kernel_bench --stamps on the MLA prefills),
 // never a default.
 inline constexpr int kMlaSm90Stamped = 55;
+// Trials: 45 and 46 with the next item's whole work description handed to the consumers through
+// shared memory and its first tile's page-table reads issued before the producer waits for the
+// item before to finish with Q (56, 57); 58: 57 with the next item's first two tiles touched
+// there as well.
+inline constexpr int kMlaSm90PersistentLeanNext = 56;
+inline constexpr int kMlaSm90PersistentTouch2LeanNext = 57;
+inline constexpr int kMlaSm90PersistentTouch2LeanNextTouched = 58;
+// 56 and 58 with Q completing by column blocks, each issued just before the first key tile's: the
+// item's first S starts once the first block of each has landed.
+inline constexpr int kMlaSm90PersistentLeanSplitQ = 59;
+inline constexpr int kMlaSm90PersistentTouch2LeanSplitQ = 60;
+// 60 with 55's phase stamps; its "Q issued" is stamped once the first tile's copies (which carry
+// Q's) are issued, and its "Q ready" when the score warpgroup starts the first S, which waits for
+// Q block by block.
+inline constexpr int kMlaSm90StampedSplitQ = 61;
 inline constexpr bool IsMlaSm90Variant(int v) {
   return v == kMlaSm90Narrow16 || v == kMlaSm90Narrow32 || v == kMlaSm90LateRightTmaLazy ||
          v == kMlaSm90LateRightTmaTouch2Lazy || v == kMlaSm90LateRightTmaLazyLean ||
          v == kMlaSm90LateRightTmaTouch2LazyLean || v == kMlaSm90PersistentLean ||
-         v == kMlaSm90PersistentTouch2Lean || v == kMlaSm90Stamped;
+         v == kMlaSm90PersistentTouch2Lean || v == kMlaSm90Stamped ||
+         v == kMlaSm90PersistentLeanNext || v == kMlaSm90PersistentTouch2LeanNext ||
+         v == kMlaSm90PersistentTouch2LeanNextTouched || v == kMlaSm90PersistentLeanSplitQ ||
+         v == kMlaSm90PersistentTouch2LeanSplitQ || v == kMlaSm90StampedSplitQ;
 }
 
 // Phase stamps of a stamped variant (kernels/cuda/common/phase_stamps.cuh): one record of
@@ -194,7 +212,7 @@ struct PhaseStampBuffer {
 // nothing). Takes effect for launches enqueued after it returns; cudaErrorNotSupported where the
 // Hopper kernels are not built.
 cudaError_t SetGqaPrefillPhaseStamps(const PhaseStampBuffer& buffer);
-// The same for the stamped MLA variant (kMlaSm90Stamped).
+// The same for the stamped MLA variants (kMlaSm90Stamped, kMlaSm90StampedSplitQ).
 cudaError_t SetMlaPhaseStamps(const PhaseStampBuffer& buffer);
 
 // What the planner needs to know of the kernel a launch will run on the current device.

@@ -617,8 +617,8 @@ void ExpectStamped(HostBatch& host, int variant, int stamped) {
   EXPECT_GT(with_tiles, 0);
 }
 
-// The stamped MLA kernel is 46, persistent: many items a CTA (three sequences an SM), an empty
-// sequence among them, on cp.async tiles (page 1) and TMA ones (page 64).
+// The stamped MLA kernels are 46 and the trial 60, persistent: many items a CTA (three sequences an
+// SM), an empty sequence among them, on cp.async tiles (page 1) and TMA ones (page 64).
 TEST_F(KernelTest, MlaPhaseStamps) {
   int sms = 0;
   ASSERT_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -638,7 +638,9 @@ TEST_F(KernelTest, MlaPhaseStamps) {
       GTEST_SKIP() << "no sm_90a kernels here";
     }
     MlaHostBatch host = MakeMlaBatch({1, page_size, 16}, seqs, options, rng);
-    ExpectStamped(host, cuda::kMlaSm90LateRightTmaTouch2LazyLean, cuda::kMlaSm90Stamped);
+    for (int stamped : {cuda::kMlaSm90Stamped, cuda::kMlaSm90StampedSplitQ}) {
+      ExpectStamped(host, cuda::kMlaSm90LateRightTmaTouch2LazyLean, stamped);
+    }
   }
 }
 
@@ -747,7 +749,12 @@ TEST_F(KernelTest, PersistentMlaRunsEveryItemOnce) {
   options.sm_scale = 0.1352337747812271f;
   const std::pair<int, int> pairs[] = {
       {cuda::kMlaSm90PersistentLean, cuda::kMlaSm90LateRightTmaLazyLean},
-      {cuda::kMlaSm90PersistentTouch2Lean, cuda::kMlaSm90LateRightTmaTouch2LazyLean}};
+      {cuda::kMlaSm90PersistentTouch2Lean, cuda::kMlaSm90LateRightTmaTouch2LazyLean},
+      {cuda::kMlaSm90PersistentLeanNext, cuda::kMlaSm90LateRightTmaLazyLean},
+      {cuda::kMlaSm90PersistentTouch2LeanNext, cuda::kMlaSm90LateRightTmaTouch2LazyLean},
+      {cuda::kMlaSm90PersistentTouch2LeanNextTouched, cuda::kMlaSm90LateRightTmaTouch2LazyLean},
+      {cuda::kMlaSm90PersistentLeanSplitQ, cuda::kMlaSm90LateRightTmaLazyLean},
+      {cuda::kMlaSm90PersistentTouch2LeanSplitQ, cuda::kMlaSm90LateRightTmaTouch2LazyLean}};
   for (int page_size : {64, 1}) {
     MlaHostBatch host = MakeMlaBatch({1, page_size, 16}, seqs, options, rng);
     for (const auto& [persistent, sibling] : pairs) {

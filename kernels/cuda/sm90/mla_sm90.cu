@@ -106,12 +106,24 @@ constexpr bool kLazyRescale = true;
 // positive, as the GQA prefill's lean tiles do: the prefills' default (api.cc's DefaultSm90Mla).
 // kPersistent: one CTA an SM runs items until none is left (the kernel's comment below).
 // kStamps: every item writes its phase stamps (one record at its index; kMlaSm90Stamped).
+// kNextItem (kPersistent, trials), bits: 1, the producer's thread 0 hands the next item's whole
+// Work to the consumers through shared memory (no global reads of theirs at an item boundary; the
+// producer, well ahead, still reads its own: the 14 words from the slot left it 148 bytes of
+// spills), and the producer issues its first tile's page-table reads before it waits for the
+// previous item's Q to be read; 2, it also
+// touches the pages of the next item's first kTouchTiles tiles there; 4 (kSplitQ), Q completes on
+// one barrier per column block, each issued just before the first tile's block, so that the
+// item's first S starts once the first of each has landed rather than all of Q.
 template <int kTouchTiles_ = 0, bool kLeanSoftmax_ = false, bool kPersistent_ = false,
-          bool kStamps_ = false>
+          bool kStamps_ = false, int kNextItem_ = 0>
 struct Traits {
   static constexpr bool kLeanSoftmax = kLeanSoftmax_;
   static constexpr bool kPersistent = kPersistent_;
   static constexpr bool kStamps = kStamps_;
+  static constexpr int kNextItem = kNextItem_;
+  static_assert(kNextItem == 0 || (kPersistent && (kNextItem & 1)));
+  static constexpr bool kSplitQ = (kNextItem & 4) != 0;
+  static constexpr int kQBarriers = kSplitQ ? kColumnBlocks : 1;
   static constexpr bool kNarrow = false;
   static constexpr bool kClusterMerge = false;
   static constexpr int kBlockM = 64;  // packed rows per CTA
@@ -160,11 +172,15 @@ struct Traits {
   // kPersistent: Q's release (QEmpty) and the two slots' (WorkFull, WorkEmpty) of Smem.
   static constexpr int kWorkBarriers = kPersistent ? 5 : 0;
   static constexpr int kBarriers =
-      1 + kStages * kColumnBlocks + kStages * kReleases + kWorkBarriers;
+      kQBarriers + kStages * kColumnBlocks + kStages * kReleases + kWorkBarriers;
   // 1 KiB of slack to start the tiles on the swizzle pattern's 1024-byte period; kPersistent's
   // two item slots after the barriers.
+  // kNextItem: each slot holds a whole Work (kWorkWords words) in place of an index.
+  static constexpr int kWorkWords = 14;
+  static constexpr int kSlotWords = kNextItem != 0 ? kWorkWords : 1;
   static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes + kPBytes +
-                                    kRowFloats * 4 + 8 * kBarriers + (kPersistent ? 8 : 0);
+                                    kRowFloats * 4 + 8 * kBarriers +
+                                    (kPersistent ? 2 * 4 * kSlotWords : 0);
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 };
 
@@ -184,12 +200,12 @@ struct Smem {
   __device__ float* FinalMax() const { return Rows() + T::kBlockM; }
   __device__ float* FinalSum() const { return Rows() + 2 * T::kBlockM; }
   __device__ uint32_t Barrier(int i) const { return P() + T::kPBytes + T::kRowFloats * 4 + 8 * i; }
-  __device__ uint32_t QFull() const { return Barrier(0); }
+  __device__ uint32_t QFull(int cb = 0) const { return Barrier(cb); }  // cb: T::kSplitQ
   __device__ uint32_t KvFull(int stage, int cb) const {
-    return Barrier(1 + stage * kColumnBlocks + cb);
+    return Barrier(T::kQBarriers + stage * kColumnBlocks + cb);
   }
   __device__ uint32_t KvEmpty(int stage, int half = 0) const {
-    return Barrier(1 + T::kStages * kColumnBlocks + stage * T::kReleases + half);
+    return Barrier(T::kQBarriers + T::kStages * kColumnBlocks + stage * T::kReleases + half);
   }
   // T::kPersistent: the score warpgroup is done reading Q (one arrival per warp), so the next
   // item's may come; item k >= 1 of the CTA is handed over in slot (k - 1) % 2 (WorkSlot), full
@@ -198,7 +214,8 @@ struct Smem {
   __device__ uint32_t WorkFull(int slot) const { return Barrier(T::kBarriers - 4 + slot); }
   __device__ uint32_t WorkEmpty(int slot) const { return Barrier(T::kBarriers - 2 + slot); }
   __device__ volatile int* WorkSlot(int slot) const {
-    return reinterpret_cast<volatile int*>(ptr + (Barrier(T::kBarriers) - base)) + slot;
+    return reinterpret_cast<volatile int*>(ptr + (Barrier(T::kBarriers) - base)) +
+           slot * T::kSlotWords;
   }
 };
 
@@ -249,26 +266,52 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   }
   if constexpr (T::kPersistent) {
     if (w.num_tiles == 0) return;  // its consumers wait for neither Q nor keys
-    // The previous item's S has read Q for the last time.
-    if (w.q_loads_before > 0) BarrierWait(s.QEmpty(), (w.q_loads_before - 1) & 1);
   }
-
+  // The previous item's S has read Q for the last time (kPersistent); Q's copies.
+  auto issue_q = [&] {
+    if constexpr (T::kPersistent) {
+      if (w.q_loads_before > 0) BarrierWait(s.QEmpty(), (w.q_loads_before - 1) & 1);
+    }
 #pragma unroll
-  for (int i = 0; i < T::kBlockM / kRowsPerPass; ++i) {
-    const int packed = w.item.row_begin + row0 + i * kRowsPerPass;
-    const bool valid = packed < w.num_rows;  // tile padding is zero-filled
-    const int64_t qrow = (int64_t{w.seq.q_begin} + packed / heads) * heads + packed % heads;
-    const bf16* nope = p.q_nope + qrow * kMlaCkvDim + chunk * 8;
-    const bf16* pe = p.q_pe + qrow * kMlaKpeDim + chunk * 8;
+    for (int i = 0; i < T::kBlockM / kRowsPerPass; ++i) {
+      const int packed = w.item.row_begin + row0 + i * kRowsPerPass;
+      const bool valid = packed < w.num_rows;  // tile padding is zero-filled
+      const int64_t qrow = (int64_t{w.seq.q_begin} + packed / heads) * heads + packed % heads;
+      const bf16* nope = p.q_nope + qrow * kMlaCkvDim + chunk * 8;
+      const bf16* pe = p.q_pe + qrow * kMlaKpeDim + chunk * 8;
 #pragma unroll
-    for (int cb = 0; cb < kColumnBlocks; ++cb) {
-      const bf16* src = cb < kColumnBlocks - 1 ? nope + cb * 64 : pe;
-      CopyAsync16(s.Q() + cb * T::kQBlockBytes + i * kRowsPerPass * 128 + lane_offset,
-                  valid ? src : p.q_nope, valid);
+      for (int cb = 0; cb < kColumnBlocks; ++cb) {
+        const bf16* src = cb < kColumnBlocks - 1 ? nope + cb * 64 : pe;
+        CopyAsync16(s.Q() + cb * T::kQBlockBytes + i * kRowsPerPass * 128 + lane_offset,
+                    valid ? src : p.q_nope, valid);
+      }
+    }
+    BarrierArriveOnCopies(s.QFull());
+    if (tid == 0) Stamp<T>(w.index, PhaseSlot::kQIssuedClock);
+  };
+  // kSplitQ: Q's column block cb, completing on its own barrier; the lane's rows, -1 past the
+  // sequence's (zero-filled).
+  int32_t q_rows[T::kBlockM / kRowsPerPass];
+  if constexpr (T::kSplitQ) {
+#pragma unroll
+    for (int i = 0; i < T::kBlockM / kRowsPerPass; ++i) {
+      const int packed = w.item.row_begin + row0 + i * kRowsPerPass;
+      q_rows[i] =
+          packed < w.num_rows ? (w.seq.q_begin + packed / heads) * heads + packed % heads : -1;
     }
   }
-  BarrierArriveOnCopies(s.QFull());
-  if (tid == 0) Stamp<T>(w.index, PhaseSlot::kQIssuedClock);
+  auto issue_q_block = [&](int cb) {
+#pragma unroll
+    for (int i = 0; i < T::kBlockM / kRowsPerPass; ++i) {
+      const int64_t qrow = q_rows[i];
+      const bf16* src = cb < kColumnBlocks - 1 ? p.q_nope + qrow * kMlaCkvDim + chunk * 8 + cb * 64
+                                               : p.q_pe + qrow * kMlaKpeDim + chunk * 8;
+      CopyAsync16(s.Q() + cb * T::kQBlockBytes + i * kRowsPerPass * 128 + lane_offset,
+                  qrow >= 0 ? src : p.q_nope, qrow >= 0);
+    }
+    BarrierArriveOnCopies(s.QFull(cb));
+  };
+  if constexpr (T::kNextItem == 0) issue_q();
 
   const PagedRows rows = MlaRows(p.cache, p.batch, w.seq);
   const int page_size = p.cache.page_size;
@@ -319,8 +362,27 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     r.used = true;
     return r;
   };
+  if constexpr (T::kNextItem != 0) {
+    // The first tile's page-table reads (above) and, 2, the first tiles' touches fly while the
+    // previous item's last S runs.
+    if constexpr ((T::kNextItem & 2) != 0) {
+#pragma unroll
+      for (int t = 0; t < T::kTouchTiles; ++t) {
+        const Touch first = touch_of(t);
+        if (first.used) PrefetchLineL2(rows.base + rows.OffsetIn(first.page_id, first.slot));
+      }
+    }
+    if constexpr (T::kSplitQ) {
+      // Q's blocks go out with the first tile's (copy_blocks).
+      if (w.q_loads_before > 0) BarrierWait(s.QEmpty(), (w.q_loads_before - 1) & 1);
+    } else {
+      issue_q();
+    }
+  }
   Touch touch = touch_of(T::kTouchTiles);
-  for (int t = 0; t < w.num_tiles; ++t) {
+  // Tile t's copies; kWithQ (kSplitQ, the first tile): each column block of Q before the tile's.
+  auto issue_tile = [&](int t, auto with_q) {
+    constexpr bool kWithQ = decltype(with_q)::value;
     const int stage = w.Tile(t) % T::kStages;
     if constexpr (T::kTouchTiles > 0) {
       if (touch.used) PrefetchLineL2(rows.base + rows.OffsetIn(touch.page_id, touch.slot));
@@ -345,6 +407,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     auto copy_blocks = [&](auto first, auto end) {
 #pragma unroll
       for (int cb = decltype(first)::value; cb < decltype(end)::value; ++cb) {
+        if constexpr (kWithQ) issue_q_block(cb);
         if (tile_by_tma) {
           // The barrier still counts 128 arrivals: one of them brings the box's bytes.
           if (tid == 0) {
@@ -380,7 +443,14 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
     }
 
     current = next;
+  };
+  int first_tile = 0;
+  if constexpr (T::kSplitQ) {  // peeled: Q's registers are not live in the loop
+    issue_tile(0, std::true_type());
+    if (tid == 0) Stamp<T>(w.index, PhaseSlot::kQIssuedClock);  // with the first tile's
+    first_tile = 1;
   }
+  for (int t = first_tile; t < w.num_tiles; ++t) issue_tile(t, std::false_type());
   if (tid == 0) Stamp<T>(w.index, PhaseSlot::kProducedClock);
   if constexpr (!T::kPersistent) WaitAllCopies();  // persistent: once, after the last item
 }
@@ -464,15 +534,20 @@ __device__ __forceinline__ constexpr int BlockOfStep(int i) {
 // offset (>> 4, the start address field's unit). Q's are the same every tile: hoisted out of the
 // caller's loop, all 36 of them would stay live (and spill), so the base is laundered through an
 // opaque move each tile.
-template <typename T>
+// kWaitQ (T::kSplitQ, an item's first tile): each column block of Q is waited for with the key
+// tile's (q_parity: the barriers' phase).
+template <typename T, bool kWaitQ = false>
 __device__ __forceinline__ void IssueScores(float (&acc)[T::kNTiles][4],
                                             float (&acc_odd)[T::kNTiles][4], const Smem<T>& s,
-                                            int t, uint64_t q_desc0) {
+                                            int t, uint64_t q_desc0, uint32_t q_parity = 0) {
   const uint64_t q_desc = Opaque(q_desc0);
   const uint64_t k_desc = KMajorDescriptor(s.Kv(t % T::kStages));
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
     const int cb = BlockOfStep(ks / 4);
+    if constexpr (kWaitQ) {
+      if (ks % 4 == 0) BarrierWait(s.QFull(cb), q_parity);
+    }
     if (ks % 4 == 0) WaitFull(s, t, cb);
     const uint32_t in_block = (ks % 4) * 32;
     const uint64_t a = q_desc + ((cb * T::kQBlockBytes + in_block) >> 4);
@@ -544,10 +619,14 @@ __device__ __forceinline__ void ConsumeScores(const MlaParams& p, const Work& w,
     }
   };
   if (w.num_tiles > 0) {
-    BarrierWait(s.QFull(), w.q_loads_before & 1);
+    if constexpr (!T::kSplitQ) BarrierWait(s.QFull(), w.q_loads_before & 1);
     if (ctid == 0) Stamp<T>(w.index, PhaseSlot::kQReadyClock);
     WgmmaFence();
-    issue_qk(0);
+    if constexpr (T::kSplitQ) {
+      IssueScores<T, true>(acc, acc_odd, s, w.Tile(0), q_desc0, w.q_loads_before & 1);
+    } else {
+      issue_qk(0);
+    }
     WgmmaCommit();
     WgmmaWait<0>();
     if (w.num_tiles == 1) q_read();
@@ -711,6 +790,9 @@ struct NarrowTraits {
   static constexpr bool kClusterMerge = true;
   static constexpr bool kPersistent = false;
   static constexpr bool kStamps = false;
+  static constexpr int kNextItem = 0;
+  static constexpr bool kSplitQ = false;
+  static constexpr int kQBarriers = 1;
   static constexpr int kN = kN_;  // heads (packed rows) per CTA: wgmma's N
   static_assert(kN == 16 || kN == 32, "the widths of Wgmma<16> and Wgmma<32>");
   static constexpr int kBlockM = kN;
@@ -1092,11 +1174,26 @@ struct ItemQueue {
     return static_cast<int>(gridDim.x + atomicAdd(&schedule[0], 1u));
   }
 
-  // Thread 0: publishes the CTA's item k >= 1, `index` (past the last item: none, -1).
-  __device__ __forceinline__ void Publish(int k, int index) const {
+  // Thread 0: publishes the CTA's item k >= 1, `index` (past the last item: none, -1); with
+  // T::kNextItem, its whole Work (index -1: none).
+  __device__ __forceinline__ void Publish(const MlaParams& p, const DeviceWorkItem* items, int k,
+                                          int index) const {
     const int slot = (k - 1) % 2, use = (k - 1) / 2;
     if (use > 0) BarrierWait(s.WorkEmpty(slot), (use - 1) & 1);
-    *s.WorkSlot(slot) = index < num_items ? index : -1;
+    if constexpr (T::kNextItem != 0) {
+      Work w;
+      w.index = -1;
+      if (index < num_items) w = WorkOf<T>(p, items, index);
+      const int words[] = {w.index,          w.item.seq,         w.item.row_begin, w.item.kv_begin,
+                           w.item.kv_end,    w.item.partial_row, w.seq.q_begin,    w.seq.q_len,
+                           w.seq.page_begin, w.seq.num_pages,    w.seq.kv_len,     w.seq.layer,
+                           w.num_rows,       w.num_tiles};
+      static_assert(sizeof(words) == 4 * T::kWorkWords);
+#pragma unroll
+      for (int i = 0; i < T::kWorkWords; ++i) s.WorkSlot(slot)[i] = words[i];
+    } else {
+      *s.WorkSlot(slot) = index < num_items ? index : -1;
+    }
     BarrierArrive(s.WorkFull(slot));
   }
 
@@ -1109,6 +1206,25 @@ struct ItemQueue {
     const int index = *s.WorkSlot(slot);
     BarrierArrive(s.WorkEmpty(slot));
     return __shfl_sync(0xffffffffu, index, 0);
+  }
+
+  // T::kNextItem, the consumers: Read's, the CTA's item k as a whole Work (index -1: none).
+  __device__ __forceinline__ Work ReadWork(int k) const {
+    const int slot = (k - 1) % 2, use = (k - 1) / 2;
+    BarrierWait(s.WorkFull(slot), use & 1);
+    int words[T::kWorkWords];
+#pragma unroll
+    for (int i = 0; i < T::kWorkWords; ++i) words[i] = s.WorkSlot(slot)[i];
+    BarrierArrive(s.WorkEmpty(slot));
+#pragma unroll
+    for (int i = 0; i < T::kWorkWords; ++i) words[i] = __shfl_sync(0xffffffffu, words[i], 0);
+    Work w;
+    w.index = words[0];
+    w.item = {words[1], words[2], words[3], words[4], words[5]};
+    w.seq = {words[6], words[7], words[8], words[9], words[10], words[11]};
+    w.num_rows = words[12];
+    w.num_tiles = words[13];
+    return w;
   }
 
   // Thread 0, once it drew past the last item: the last CTA to get here zeroes the counter.
@@ -1140,10 +1256,15 @@ __device__ __forceinline__ void ForEachItem(const MlaParams& p, const DeviceWork
       __syncwarp();  // converge each warp before the next item's GEMMs (file comment)
       // Drawn once the producer has issued the item's copies: its next Q waits for the item's
       // last S anyway, about a tile later.
-      if (drawer) queue.Publish(k, queue.Draw());
-      const int index = queue.Read(k);
-      if (index < 0) break;
-      w = WorkOf<T>(p, items, index);
+      if (drawer) queue.Publish(p, items, k, queue.Draw());
+      if constexpr (T::kNextItem != 0 && !kProducer) {
+        w = queue.ReadWork(k);
+        if (w.index < 0) break;
+      } else {
+        const int index = queue.Read(k);
+        if (index < 0) break;
+        w = WorkOf<T>(p, items, index);
+      }
       w.tiles_before = tiles;
       w.q_loads_before = q_loads;
     }
@@ -1167,7 +1288,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   const int tid = threadIdx.x;
   if (tid == 0) {
-    BarrierInit(s.QFull(), 128);  // copies of the 128 producer lanes
+    // Copies of the 128 producer lanes (kSplitQ: one barrier a column block).
+    for (int cb = 0; cb < T::kQBarriers; ++cb) BarrierInit(s.QFull(cb), 128);
     for (int i = 0; i < T::kStages; ++i) {
       for (int cb = 0; cb < kColumnBlocks; ++cb) BarrierInit(s.KvFull(i, cb), 128);
       // One arrival per consumer warp (kLateRight: of the warpgroup that finishes the half).
@@ -1333,6 +1455,18 @@ cudaError_t WithConfig(int variant, Fn&& fn) {
       return fn(Config<Traits<2, true, true>>());
     case kMlaSm90Stamped:  // an instrument
       return fn(Config<Traits<2, true, true, true>>());
+    case kMlaSm90PersistentLeanNext:  // trials
+      return fn(Config<Traits<0, true, true, false, 1>>());
+    case kMlaSm90PersistentTouch2LeanNext:
+      return fn(Config<Traits<2, true, true, false, 1>>());
+    case kMlaSm90PersistentTouch2LeanNextTouched:
+      return fn(Config<Traits<2, true, true, false, 3>>());
+    case kMlaSm90PersistentLeanSplitQ:
+      return fn(Config<Traits<0, true, true, false, 5>>());
+    case kMlaSm90PersistentTouch2LeanSplitQ:
+      return fn(Config<Traits<2, true, true, false, 7>>());
+    case kMlaSm90StampedSplitQ:  // an instrument
+      return fn(Config<Traits<2, true, true, true, 7>>());
     default:
       return cudaErrorInvalidValue;
   }
