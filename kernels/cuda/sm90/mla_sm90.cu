@@ -267,16 +267,25 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   if constexpr (T::kPersistent) {
     if (w.num_tiles == 0) return;  // its consumers wait for neither Q nor keys
   }
-  // The previous item's S has read Q for the last time (kPersistent); Q's copies.
-  auto issue_q = [&] {
+  // The previous item's S has read Q for the last time (kPersistent).
+  auto wait_q_empty = [&] {
     if constexpr (T::kPersistent) {
       if (w.q_loads_before > 0) BarrierWait(s.QEmpty(), (w.q_loads_before - 1) & 1);
     }
+  };
+  // The lane's Q row of pass i: its packed row, and that row's index in q_nope / q_pe.
+  auto q_packed = [&](int i) { return w.item.row_begin + row0 + i * kRowsPerPass; };
+  auto q_row = [&](int packed) {
+    return (int64_t{w.seq.q_begin} + packed / heads) * heads + packed % heads;
+  };
+  // Q's copies.
+  auto issue_q = [&] {
+    wait_q_empty();
 #pragma unroll
     for (int i = 0; i < T::kBlockM / kRowsPerPass; ++i) {
-      const int packed = w.item.row_begin + row0 + i * kRowsPerPass;
+      const int packed = q_packed(i);
       const bool valid = packed < w.num_rows;  // tile padding is zero-filled
-      const int64_t qrow = (int64_t{w.seq.q_begin} + packed / heads) * heads + packed % heads;
+      const int64_t qrow = q_row(packed);
       const bf16* nope = p.q_nope + qrow * kMlaCkvDim + chunk * 8;
       const bf16* pe = p.q_pe + qrow * kMlaKpeDim + chunk * 8;
 #pragma unroll
@@ -295,9 +304,8 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
   if constexpr (T::kSplitQ) {
 #pragma unroll
     for (int i = 0; i < T::kBlockM / kRowsPerPass; ++i) {
-      const int packed = w.item.row_begin + row0 + i * kRowsPerPass;
-      q_rows[i] =
-          packed < w.num_rows ? (w.seq.q_begin + packed / heads) * heads + packed % heads : -1;
+      const int packed = q_packed(i);
+      q_rows[i] = packed < w.num_rows ? static_cast<int32_t>(q_row(packed)) : -1;
     }
   }
   auto issue_q_block = [&](int cb) {
@@ -373,8 +381,7 @@ __device__ __forceinline__ void Produce(const MlaParams& p, const Work& w, const
       }
     }
     if constexpr (T::kSplitQ) {
-      // Q's blocks go out with the first tile's (copy_blocks).
-      if (w.q_loads_before > 0) BarrierWait(s.QEmpty(), (w.q_loads_before - 1) & 1);
+      wait_q_empty();  // Q's blocks go out with the first tile's (copy_blocks)
     } else {
       issue_q();
     }
